@@ -1,0 +1,1 @@
+"""The offline pipeline: recipe → ONNX → checked → BentoML model store → serving manifest."""

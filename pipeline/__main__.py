@@ -1,0 +1,88 @@
+"""`python -m pipeline models/*.yaml`: build every recipe and write the serving manifest."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from pipeline.build import build
+from pipeline.export_check import ExportCheckError
+from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
+from serving.manifest import DEFAULT_MANIFEST, ServingManifest, write_manifest
+
+console = Console(stderr=True)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
+    parser.add_argument("recipes", nargs="+", type=Path, help="recipe files (models/*.yaml)")
+    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST, help="serving manifest to write")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the store has this recipe")
+    return parser.parse_args(argv)
+
+
+def load_all(paths: list[Path]) -> list[LoadedRecipe]:
+    """Validate every recipe before any slow work, so a typo in the last one fails in a second."""
+    loaded = [load_recipe(path) for path in paths]
+    seen: dict[str, Path] = {}
+    for item in loaded:
+        endpoint = item.recipe.serving.endpoint
+        if endpoint in seen:
+            raise RecipeError(f"{item.path}: serving.endpoint: {endpoint!r} is already served by {seen[endpoint]}")
+        seen[endpoint] = item.path
+    return loaded
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        recipes = load_all(args.recipes)
+    except RecipeError as exc:
+        console.print(f"[red]recipe error[/red] {exc}")
+        return 2
+    routes = {}
+    table = Table("recipe", "model tag", "built", "max |Δ|", "min cosine", "top-1 agree", "seconds")
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        overall = progress.add_task("recipes", total=len(recipes))
+        for loaded in recipes:
+            started = time.monotonic()
+            task = progress.add_task(loaded.name, total=None)
+            try:
+                result = build(
+                    loaded,
+                    step=lambda text, t=task, n=loaded.name: progress.update(t, description=f"{n}: {text}"),
+                    force=args.force,
+                )
+            except (RecipeError, ExportCheckError) as exc:
+                progress.stop()
+                console.print(f"[red]{loaded.name} failed[/red]\n{exc}")
+                return 1
+            progress.update(task, description=f"{loaded.name}: done", total=1, completed=1)
+            progress.advance(overall)
+            routes[loaded.recipe.serving.endpoint] = result.route(loaded)
+            check = result.model.info.metadata["export_check"]
+            table.add_row(
+                loaded.name,
+                str(result.model.tag),
+                "reused" if result.reused else "new",
+                f"{check['max_abs_diff']:.2e}",
+                f"{check['min_cosine']:.6f}",
+                f"{check['top1_agreement']:.3f}" if "top1_agreement" in check else "-",
+                f"{time.monotonic() - started:.1f}",
+            )
+    write_manifest(ServingManifest(**routes), args.manifest)
+    console.print(table)
+    console.print(f"serving manifest: {args.manifest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

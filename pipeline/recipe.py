@@ -1,0 +1,207 @@
+"""Recipes (`models/<name>.yaml`): validated so that a mistake is one line naming the field."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from serving.model_spec import Task
+
+PACKAGE_PREFIX = "package:"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the file and the field."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EfficientNetLiteSource(Strict):
+    """EfficientNet-Lite from `efficientnet-lite-pytorch` with a local or packaged weights file."""
+
+    kind: Literal["efficientnet-lite"]
+    architecture: Literal[
+        "efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2", "efficientnet-lite3", "efficientnet-lite4"
+    ]
+    weights: str = Field(description="state_dict file: a path relative to the recipe, or package:<module>/<file>")
+    num_classes: int = 1000
+
+
+class TorchvisionSource(Strict):
+    """Any torchvision classification architecture with your own state_dict."""
+
+    kind: Literal["torchvision"]
+    architecture: str = Field(description="a torchvision.models builder name, e.g. resnet18")
+    weights: str
+    num_classes: int = 1000
+
+
+class HuggingFaceSource(Strict):
+    """A local Hugging Face model directory (never fetched from a hub)."""
+
+    kind: Literal["huggingface"]
+    path: str = Field(description="model directory: a path relative to the recipe, or package:<module>/<dir>")
+
+
+SOURCE_KINDS = frozenset({"efficientnet-lite", "torchvision", "huggingface"})
+Source = Annotated[EfficientNetLiteSource | TorchvisionSource | HuggingFaceSource, Field(discriminator="kind")]
+
+
+class ImagePreprocess(Strict):
+    size: int = Field(gt=0, description="square input side the model sees")
+    resize: int = Field(gt=0, description="shorter side before the centre crop")
+    mean: tuple[float, float, float] = Field(description="per-channel mean on the 0-255 scale")
+    std: tuple[float, float, float] = Field(description="per-channel std on the 0-255 scale")
+
+    @model_validator(mode="after")
+    def _crop_fits(self) -> ImagePreprocess:
+        if self.resize < self.size:
+            raise ValueError(f"resize ({self.resize}) must be at least size ({self.size})")
+        return self
+
+
+class TextPreprocess(Strict):
+    max_length: int = Field(gt=2, le=8192, description="tokens per text, special tokens included")
+
+
+class ExportTolerance(Strict):
+    max_abs_diff: float = Field(gt=0)
+    min_cosine: float = Field(gt=0, le=1)
+    min_top1_agreement: float = Field(default=1.0, ge=0, le=1, description="classification only")
+
+
+class Export(Strict):
+    opset: int = Field(default=17, ge=13)
+    tolerance: ExportTolerance
+
+
+class Serving(Strict):
+    endpoint: Literal["classify", "embed"]
+    max_batch_size: int = Field(default=32, ge=1, le=1024)
+    max_latency_ms: int = Field(default=1000, ge=1, description="BentoML sheds requests it cannot serve within this")
+    max_items_per_request: int = Field(default=64, ge=1)
+
+
+class Recipe(Strict):
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$", description="model store name")
+    task: Task
+    description: str = ""
+    source: Source
+    labels: str | None = Field(
+        default=None, description="classification: 'imagenet', a text file with one label per line, or omit for HF id2label"
+    )
+    image: ImagePreprocess | None = None
+    text: TextPreprocess | None = None
+    export: Export
+    serving: Serving
+
+    @model_validator(mode="after")
+    def _task_needs(self) -> Recipe:
+        needs = {"image-classification": ("image", "labels"), "text-embedding": ("text",)}[self.task]
+        for field in needs:
+            if getattr(self, field) is None:
+                raise ValueError(f"task {self.task} needs the field {field!r}")
+        if self.task == "text-embedding" and self.source.kind != "huggingface":
+            raise ValueError("task text-embedding needs a source of kind 'huggingface'")
+        return self
+
+
+def resolve_path(reference: str, recipe_dir: Path) -> Path:
+    """A path relative to the recipe, or `package:<module>/<sub/path>` inside an installed package."""
+    if reference.startswith(PACKAGE_PREFIX):
+        module, _, inner = reference[len(PACKAGE_PREFIX) :].partition("/")
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(f"package {module!r} is not installed (pip install it or `make setup`)")
+        return Path(spec.origin).parent / inner
+    path = Path(reference).expanduser()
+    return path if path.is_absolute() else recipe_dir / path
+
+
+class LoadedRecipe(BaseModel):
+    """A validated recipe with its file references resolved and checked."""
+
+    model_config = ConfigDict(frozen=True)
+    recipe: Recipe
+    path: Path
+    files: dict[str, Path]
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    def content_hash(self, extra: str = "") -> str:
+        """Changes when the recipe or any file it points at changes."""
+        digest = hashlib.sha256(self.recipe.model_dump_json().encode())
+        for field, path in sorted(self.files.items()):
+            digest.update(field.encode())
+            digest.update(file_digest(path).encode())
+        digest.update(extra.encode())
+        return digest.hexdigest()[:16]
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file, or of a directory's files in name order."""
+    digest = hashlib.sha256()
+    paths = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for p in paths:
+        digest.update(p.relative_to(path).as_posix().encode() if path.is_dir() else b"")
+        with p.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_fields(recipe: Recipe) -> dict[str, str]:
+    fields = {}
+    source = recipe.source
+    if isinstance(source, HuggingFaceSource):
+        fields["source.path"] = source.path
+    else:
+        fields["source.weights"] = source.weights
+    if recipe.labels and recipe.labels != "imagenet":
+        fields["labels"] = recipe.labels
+    return fields
+
+
+def _format_error(path: Path, exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        # A discriminated union adds the tag ("torchvision") to the location; users never wrote it.
+        location = ".".join(str(p) for p in error["loc"] if p not in SOURCE_KINDS)
+        message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
+        lines.append(f"{path}: {location or '(top level)'}: {message}")
+    return "\n".join(lines)
+
+
+def load_recipe(path: Path) -> LoadedRecipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping of fields")
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise RecipeError(_format_error(path, exc)) from None
+    files = {}
+    for field, reference in _file_fields(recipe).items():
+        try:
+            resolved = resolve_path(reference, path.parent)
+        except FileNotFoundError as exc:
+            raise RecipeError(f"{path}: {field}: {exc}") from None
+        if not resolved.exists():
+            raise RecipeError(f"{path}: {field}: file not found: {resolved}")
+        files[field] = resolved
+    return LoadedRecipe(recipe=recipe, path=path, files=files)

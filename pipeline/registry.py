@@ -1,0 +1,50 @@
+"""The BentoML model store: write artifacts with their proof, and find them again by content."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import bentoml
+
+RECIPE_HASH = "recipe_hash"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def find_registered(name: str, recipe_hash: str, variant: str) -> bentoml.Model | None:
+    """The newest stored model built from exactly this recipe content and variant, if any."""
+    try:
+        stored = bentoml.models.list(name)
+    except bentoml.exceptions.NotFound:
+        return None
+    matches = [
+        model
+        for model in stored
+        if model.info.metadata.get(RECIPE_HASH) == recipe_hash and model.info.labels.get("variant") == variant
+    ]
+    return max(matches, key=lambda m: m.info.creation_time, default=None)
+
+
+def register(
+    name: str, files: dict[str, Path], *, labels: dict[str, str], metadata: dict
+) -> bentoml.Model:
+    """Copy `files` (store name → source path) into a new model version; record their sha256."""
+    sha256 = {stored: sha256_of(source) for stored, source in files.items()}
+    with bentoml.models.create(name, labels=labels, metadata={**metadata, "sha256": sha256}) as model:
+        for stored, source in files.items():
+            shutil.copyfile(source, Path(model.path) / stored)
+    return bentoml.models.get(model.tag)
+
+
+def verify_files(model: bentoml.Model) -> list[str]:
+    """Stored files whose content no longer matches the sha256 recorded at registration."""
+    recorded: dict[str, str] = model.info.metadata.get("sha256", {})
+    return [name for name, digest in recorded.items() if sha256_of(Path(model.path) / name) != digest]

@@ -1,0 +1,115 @@
+"""Load a recipe's source model into torch, one loader per source kind."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.recipe import (
+    EfficientNetLiteSource,
+    HuggingFaceSource,
+    LoadedRecipe,
+    RecipeError,
+    TorchvisionSource,
+)
+
+
+@dataclass
+class SourceModel:
+    """The reference model in eval mode plus what serving needs beside the weights."""
+
+    module: torch.nn.Module
+    class_names: list[str] | None = None
+    model_dir: Path | None = None
+
+
+Loader = Callable[[LoadedRecipe], SourceModel]
+LOADERS: dict[type, Loader] = {}
+
+
+def loader(kind: type) -> Callable[[Loader], Loader]:
+    def register(function: Loader) -> Loader:
+        LOADERS[kind] = function
+        return function
+
+    return register
+
+
+def load_source(loaded: LoadedRecipe) -> SourceModel:
+    source = LOADERS[type(loaded.recipe.source)](loaded)
+    source.module.eval()
+    if loaded.recipe.task == "image-classification":
+        source.class_names = load_class_names(loaded, getattr(loaded.recipe.source, "num_classes", None))
+    return source
+
+
+def load_class_names(loaded: LoadedRecipe, num_classes: int | None) -> list[str]:
+    if loaded.recipe.labels == "imagenet":
+        from torchvision.models._meta import _IMAGENET_CATEGORIES
+
+        names = list(_IMAGENET_CATEGORIES)
+    else:
+        names = [line.strip() for line in loaded.files["labels"].read_text().splitlines() if line.strip()]
+    if num_classes is not None and len(names) != num_classes:
+        raise RecipeError(
+            f"{loaded.path}: labels: {len(names)} labels but source.num_classes is {num_classes}"
+        )
+    return names
+
+
+def _load_state_dict(loaded: LoadedRecipe, module: torch.nn.Module) -> None:
+    path = loaded.files["source.weights"]
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several unrelated types for a bad file
+        raise RecipeError(f"{loaded.path}: source.weights: cannot read {path} as a state_dict: {exc}") from exc
+    if isinstance(state, dict) and "state_dict" in state:
+        state = state["state_dict"]
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as exc:
+        raise RecipeError(
+            f"{loaded.path}: source.weights: {path} does not fit source.architecture: {exc}"
+        ) from exc
+
+
+@loader(EfficientNetLiteSource)
+def _efficientnet_lite(loaded: LoadedRecipe) -> SourceModel:
+    from efficientnet_lite_pytorch import EfficientNet
+
+    source = loaded.recipe.source
+    module = EfficientNet.from_name(source.architecture, num_classes=source.num_classes)
+    _load_state_dict(loaded, module)
+    return SourceModel(module=module)
+
+
+@loader(TorchvisionSource)
+def _torchvision(loaded: LoadedRecipe) -> SourceModel:
+    import torchvision
+
+    source = loaded.recipe.source
+    known = torchvision.models.list_models(module=torchvision.models)
+    if source.architecture not in known:
+        raise RecipeError(
+            f"{loaded.path}: source.architecture: unknown torchvision classifier {source.architecture!r} "
+            f"(known: {', '.join(sorted(known))})"
+        )
+    module = torchvision.models.get_model(source.architecture, weights=None, num_classes=source.num_classes)
+    _load_state_dict(loaded, module)
+    return SourceModel(module=module)
+
+
+@loader(HuggingFaceSource)
+def _huggingface(loaded: LoadedRecipe) -> SourceModel:
+    from transformers import AutoModel
+
+    model_dir = loaded.files["source.path"]
+    for required in ("config.json", "tokenizer.json"):
+        if not (model_dir / required).is_file():
+            raise RecipeError(f"{loaded.path}: source.path: {model_dir} has no {required}")
+    # Eager attention exports to plain MatMul/Softmax that ORT's transformer optimizer can fuse.
+    module = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager", local_files_only=True)
+    return SourceModel(module=module, model_dir=model_dir)

@@ -1,0 +1,83 @@
+"""The image-classification front: decode and resize in threads, batch-limited model calls, top-k."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import numpy as np
+
+from serving.errors import InputTooLarge, InvalidInput
+from serving.images import check_content_type, decode_image, resize_center_crop
+from serving.model_spec import CLASS_NAMES_FILE, ImageInput
+from serving.schemas import Prediction
+
+Predict = Callable[[np.ndarray], Awaitable[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class ImageUpload:
+    data: bytes
+    content_type: str | None
+    name: str
+
+
+def load_class_names(model_dir: Path) -> list[str]:
+    return json.loads((model_dir / CLASS_NAMES_FILE).read_text())
+
+
+def prepare_image(upload: ImageUpload, spec: ImageInput) -> np.ndarray:
+    """Bytes to the model's uint8 HWC input: the path every request and every evaluation takes."""
+    check_content_type(upload.content_type, name=upload.name)
+    image = decode_image(upload.data, name=upload.name)
+    return resize_center_crop(image, resize=spec.resize, crop=spec.size)
+
+
+def top_k_predictions(probabilities: np.ndarray, class_names: Sequence[str], k: int) -> list[Prediction]:
+    k = min(k, probabilities.shape[-1])
+    best = np.argpartition(-probabilities, k - 1)[:k]
+    best = best[np.argsort(-probabilities[best])]
+    return [
+        Prediction(label=class_names[i], class_id=int(i), score=float(probabilities[i])) for i in best
+    ]
+
+
+class ImageClassifier:
+    def __init__(
+        self,
+        *,
+        spec: ImageInput,
+        class_names: list[str],
+        predict: Predict,
+        max_batch_size: int,
+        max_items_per_request: int,
+    ) -> None:
+        self.spec = spec
+        self.class_names = class_names
+        self.predict = predict
+        self.max_batch_size = max_batch_size
+        self.max_items_per_request = max_items_per_request
+
+    async def classify(self, uploads: list[ImageUpload], top_k: int) -> list[list[Prediction]]:
+        if not uploads:
+            raise InvalidInput("no image in the request")
+        if len(uploads) > self.max_items_per_request:
+            raise InputTooLarge(
+                f"{len(uploads)} images in one request; the limit is {self.max_items_per_request}"
+            )
+        if top_k < 1:
+            raise InvalidInput(f"top_k must be at least 1, got {top_k}")
+        pixels = await asyncio.gather(
+            *(anyio.to_thread.run_sync(prepare_image, upload, self.spec) for upload in uploads)
+        )
+        batch = np.stack(pixels)
+        chunks = [
+            batch[start : start + self.max_batch_size]
+            for start in range(0, len(batch), self.max_batch_size)
+        ]
+        probabilities = np.concatenate(await asyncio.gather(*(self.predict(c) for c in chunks)))
+        return [top_k_predictions(row, self.class_names, top_k) for row in probabilities]

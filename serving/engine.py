@@ -1,0 +1,67 @@
+"""ONNX Runtime engine: session options chosen deliberately, providers chosen from what is installed."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+# Preferred order; only those the installed onnxruntime build offers are used.
+PROVIDER_PREFERENCE = (
+    "TensorrtExecutionProvider",
+    "CUDAExecutionProvider",
+    "CPUExecutionProvider",
+)
+
+
+def available_providers() -> list[str]:
+    installed = set(ort.get_available_providers())
+    return [p for p in PROVIDER_PREFERENCE if p in installed]
+
+
+def default_intra_op_threads() -> int:
+    """One model worker owns the CPUs it is given; OPTISERVE_ORT_THREADS overrides."""
+    configured = os.environ.get("OPTISERVE_ORT_THREADS")
+    if configured:
+        return int(configured)
+    return len(os.sched_getaffinity(0))
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    intra_op_threads: int
+    inter_op_threads: int = 1
+    providers: tuple[str, ...] = ()
+
+    @classmethod
+    def from_environment(cls) -> EngineSettings:
+        return cls(intra_op_threads=default_intra_op_threads(), providers=tuple(available_providers()))
+
+
+class OnnxEngine:
+    """One InferenceSession with named inputs; thread-safe for concurrent `run` calls."""
+
+    def __init__(self, model_path: Path, settings: EngineSettings) -> None:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = settings.intra_op_threads
+        options.inter_op_num_threads = settings.inter_op_threads
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(
+            str(model_path),
+            sess_options=options,
+            providers=list(settings.providers) or available_providers(),
+        )
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    @property
+    def providers(self) -> list[str]:
+        return self.session.get_providers()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self.session.run(self.output_names, feeds)
+        return dict(zip(self.output_names, outputs, strict=True))

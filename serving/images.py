@@ -1,0 +1,82 @@
+"""Image decoding and geometry: the one place both the service and the pipeline prepare pixels.
+
+Normalization lives inside the ONNX graph, so this module only produces uint8 HWC arrays at
+the model's input size.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from serving.errors import EmptyInput, InputTooLarge, UndecodableInput, UnsupportedMediaType
+
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
+ALLOWED_CONTENT_TYPES = frozenset(
+    {"image/jpeg", "image/jpg", "image/png", "image/webp", "image/bmp", "image/x-ms-bmp"}
+)
+DEFAULT_MAX_PIXELS = 40_000_000
+DEFAULT_MAX_BYTES = 20 * 1024 * 1024
+
+
+def decode_image(
+    data: bytes,
+    *,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    name: str = "image",
+) -> Image.Image:
+    """Decode untrusted bytes to RGB, refusing bombs before any pixel is decompressed."""
+    if not data:
+        raise EmptyInput(f"{name}: the file is empty (0 bytes)")
+    if len(data) > max_bytes:
+        raise InputTooLarge(f"{name}: {len(data)} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+            width, height = image.size
+            if width * height > max_pixels:
+                raise InputTooLarge(
+                    f"{name}: {width}x{height} = {width * height} pixels exceeds the limit of "
+                    f"{max_pixels} pixels"
+                )
+            image.load()
+    except UnidentifiedImageError as exc:
+        raise UndecodableInput(
+            f"{name}: not a decodable image (supported formats: {', '.join(ALLOWED_FORMATS)})"
+        ) from exc
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise InputTooLarge(f"{name}: {exc}") from exc
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise UndecodableInput(f"{name}: corrupt or truncated image ({exc})") from exc
+    return image.convert("RGB")
+
+
+def resize_center_crop(image: Image.Image, *, resize: int, crop: int) -> np.ndarray:
+    """Shorter side to `resize`, then a centred `crop` square: the ImageNet evaluation geometry."""
+    width, height = image.size
+    scale = resize / min(width, height)
+    resized = image.resize(
+        (max(crop, round(width * scale)), max(crop, round(height * scale))),
+        Image.Resampling.BILINEAR,
+    )
+    left = (resized.width - crop) // 2
+    top = (resized.height - crop) // 2
+    return np.asarray(resized.crop((left, top, left + crop, top + crop)), dtype=np.uint8)
+
+
+def check_content_type(content_type: str | None, *, name: str = "image") -> None:
+    """Reject declared non-image types early; a missing or generic type is sniffed by decoding."""
+    if content_type is None:
+        return
+    media = content_type.split(";")[0].strip().lower()
+    if media in ("", "application/octet-stream") or media in ALLOWED_CONTENT_TYPES:
+        return
+    raise UnsupportedMediaType(
+        f"{name}: content type {media!r} is not an accepted image type "
+        f"({', '.join(sorted(ALLOWED_CONTENT_TYPES))})"
+    )

@@ -1,0 +1,61 @@
+"""Which stored model serves which endpoint, with its batching settings.
+
+The pipeline writes the manifest; the service reads it at import time because BentoML takes
+the model reference and the batching settings in its decorators.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MANIFEST_ENV = "OPTISERVE_MANIFEST"
+DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "serving-manifest.json"
+TAG_OVERRIDE_ENV = {"classify": "OPTISERVE_CLASSIFY_MODEL", "embed": "OPTISERVE_EMBED_MODEL"}
+
+
+class Route(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tag: str
+    recipe: str
+    max_batch_size: int = Field(ge=1)
+    max_latency_ms: int = Field(ge=1)
+    max_items_per_request: int = Field(ge=1)
+
+
+class ServingManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    classify: Route | None = None
+    embed: Route | None = None
+
+
+class ManifestError(RuntimeError):
+    pass
+
+
+def manifest_path() -> Path:
+    return Path(os.environ.get(MANIFEST_ENV, DEFAULT_MANIFEST))
+
+
+def load_manifest(path: Path | None = None) -> ServingManifest:
+    """Read the manifest and apply per-endpoint tag overrides from the environment."""
+    path = path or manifest_path()
+    if not path.is_file():
+        raise ManifestError(
+            f"no serving manifest at {path}: run `make optimize` (or set {MANIFEST_ENV})"
+        )
+    try:
+        manifest = ServingManifest.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        raise ManifestError(f"{path} is not a valid serving manifest:\n{exc}") from exc
+    for endpoint, env in TAG_OVERRIDE_ENV.items():
+        route = getattr(manifest, endpoint)
+        if env in os.environ and route is not None:
+            setattr(manifest, endpoint, route.model_copy(update={"tag": os.environ[env]}))
+    return manifest
+
+
+def write_manifest(manifest: ServingManifest, path: Path) -> None:
+    path.write_text(manifest.model_dump_json(indent=2) + "\n")

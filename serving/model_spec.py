@@ -1,0 +1,42 @@
+"""What a stored model promises its server: written by the pipeline into the model's metadata.
+
+The service reads it back instead of re-deriving shapes, labels or tokenizer settings, so a
+bento built from exported artifacts needs nothing but the model store.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+Task = Literal["image-classification", "text-embedding"]
+
+ONNX_FILE = "model.onnx"
+CLASS_NAMES_FILE = "class_names.json"
+TOKENIZER_FILE = "tokenizer.json"
+SPEC_KEY = "optiserve"
+
+
+class ImageInput(BaseModel):
+    """uint8 NHWC at `size`; the graph normalizes."""
+
+    model_config = ConfigDict(extra="forbid")
+    size: int
+    resize: int
+
+
+class TextInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_length: int
+    pad_token_id: int
+    dimensions: int
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task: Task
+    image: ImageInput | None = None
+    text: TextInput | None = None
+    input_names: list[str]
+    output_names: list[str]

@@ -1,0 +1,62 @@
+"""Tokenization for the embedding model, shared by the service front and the pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from serving.errors import EmptyInput, InputTooLarge, InvalidInput
+
+
+class TextTokenizer:
+    """Turns texts into unpadded token ids; padding happens once per batch, in the model worker."""
+
+    def __init__(self, tokenizer_file: Path, *, max_length: int) -> None:
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        self.max_length = max_length
+        self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
+
+    def encode(self, texts: list[str], *, truncate: bool) -> list[list[int]]:
+        for index, text in enumerate(texts):
+            if not text.strip():
+                raise InvalidInput(f"texts[{index}] is empty")
+        encodings = self.tokenizer.encode_batch(texts)
+        ids = [encoding.ids for encoding in encodings]
+        if truncate:
+            return [_truncate(row, self.max_length) for row in ids]
+        for index, row in enumerate(ids):
+            if len(row) > self.max_length:
+                raise InputTooLarge(
+                    f"texts[{index}] has {len(row)} tokens; the model takes at most "
+                    f"{self.max_length} (send truncate=true to cut it)"
+                )
+        return ids
+
+
+def _truncate(ids: list[int], max_length: int) -> list[int]:
+    """Keep [CLS] ... [SEP] framing: cut the middle and re-append the final special token."""
+    if len(ids) <= max_length:
+        return ids
+    return ids[: max_length - 1] + ids[-1:]
+
+
+def check_text_batch(texts: list[str], *, max_items: int) -> None:
+    if not texts:
+        raise EmptyInput("texts is empty: send at least one text")
+    if len(texts) > max_items:
+        raise InputTooLarge(f"texts has {len(texts)} items; the limit per request is {max_items}")
+
+
+def pad_batch(rows: list[list[int]], pad_id: int) -> dict[str, np.ndarray]:
+    """Right-pad to the longest row of this batch, not to the model maximum."""
+    longest = max(len(row) for row in rows)
+    input_ids = np.full((len(rows), longest), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((len(rows), longest), dtype=np.int64)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = row
+        attention_mask[i, : len(row)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
