@@ -12,7 +12,7 @@ import bentoml
 import onnx
 import torch
 
-from pipeline.export import serving_graph, export_onnx
+from pipeline.export import export_onnx, serving_graph
 from pipeline.export_check import check_export, image_batches, text_batches
 from pipeline.recipe import LoadedRecipe
 from pipeline.registry import RECIPE_HASH, find_registered, register

@@ -87,6 +87,8 @@ def export_onnx(graph: ServingGraph, path: Path, *, opset: int) -> Path:
     """TorchScript exporter: its graphs fuse well in ORT's optimizers (see DESIGN.md)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.inference_mode(False):
+        # Tracer and constant-folding notices; the export check judges the result instead.
+        warnings.simplefilter("ignore", category=UserWarning)
         warnings.simplefilter("ignore", category=torch.jit.TracerWarning)
         warnings.simplefilter("ignore", category=DeprecationWarning)
         torch.onnx.export(

@@ -96,7 +96,9 @@ def check_export(
     )
     tolerance = recipe.export.tolerance
     if check.max_abs_diff > tolerance.max_abs_diff:
-        failures.append(f"max abs diff {check.max_abs_diff:.3g} > export.tolerance.max_abs_diff {tolerance.max_abs_diff}")
+        failures.append(
+            f"max abs diff {check.max_abs_diff:.3g} > export.tolerance.max_abs_diff {tolerance.max_abs_diff}"
+        )
     if check.min_cosine < tolerance.min_cosine:
         failures.append(f"min cosine {check.min_cosine:.6f} < export.tolerance.min_cosine {tolerance.min_cosine}")
     if check.top1_agreement is not None and check.top1_agreement < tolerance.min_top1_agreement:

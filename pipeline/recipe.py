@@ -95,7 +95,8 @@ class Recipe(Strict):
     description: str = ""
     source: Source
     labels: str | None = Field(
-        default=None, description="classification: 'imagenet', a text file with one label per line, or omit for HF id2label"
+        default=None,
+        description="classification: 'imagenet', a text file with one label per line, or omit for HF id2label",
     )
     image: ImagePreprocess | None = None
     text: TextPreprocess | None = None

@@ -33,9 +33,7 @@ def find_registered(name: str, recipe_hash: str, variant: str) -> bentoml.Model 
     return max(matches, key=lambda m: m.info.creation_time, default=None)
 
 
-def register(
-    name: str, files: dict[str, Path], *, labels: dict[str, str], metadata: dict
-) -> bentoml.Model:
+def register(name: str, files: dict[str, Path], *, labels: dict[str, str], metadata: dict) -> bentoml.Model:
     """Copy `files` (store name → source path) into a new model version; record their sha256."""
     sha256 = {stored: sha256_of(source) for stored, source in files.items()}
     with bentoml.models.create(name, labels=labels, metadata={**metadata, "sha256": sha256}) as model:

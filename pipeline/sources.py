@@ -54,9 +54,7 @@ def load_class_names(loaded: LoadedRecipe, num_classes: int | None) -> list[str]
     else:
         names = [line.strip() for line in loaded.files["labels"].read_text().splitlines() if line.strip()]
     if num_classes is not None and len(names) != num_classes:
-        raise RecipeError(
-            f"{loaded.path}: labels: {len(names)} labels but source.num_classes is {num_classes}"
-        )
+        raise RecipeError(f"{loaded.path}: labels: {len(names)} labels but source.num_classes is {num_classes}")
     return names
 
 
@@ -71,9 +69,7 @@ def _load_state_dict(loaded: LoadedRecipe, module: torch.nn.Module) -> None:
     try:
         module.load_state_dict(state)
     except RuntimeError as exc:
-        raise RecipeError(
-            f"{loaded.path}: source.weights: {path} does not fit source.architecture: {exc}"
-        ) from exc
+        raise RecipeError(f"{loaded.path}: source.weights: {path} does not fit source.architecture: {exc}") from exc
 
 
 @loader(EfficientNetLiteSource)

@@ -35,8 +35,7 @@ class Front(Protocol):
 
 MAX_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody}
-    for status in (400, 413, 415, 422, 503)
+    status: {"model": ErrorBody} for status in (400, 413, 415, 422, 503)
 }
 
 

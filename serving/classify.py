@@ -41,9 +41,7 @@ def top_k_predictions(probabilities: np.ndarray, class_names: Sequence[str], k: 
     k = min(k, probabilities.shape[-1])
     best = np.argpartition(-probabilities, k - 1)[:k]
     best = best[np.argsort(-probabilities[best])]
-    return [
-        Prediction(label=class_names[i], class_id=int(i), score=float(probabilities[i])) for i in best
-    ]
+    return [Prediction(label=class_names[i], class_id=int(i), score=float(probabilities[i])) for i in best]
 
 
 class ImageClassifier:
@@ -66,18 +64,13 @@ class ImageClassifier:
         if not uploads:
             raise InvalidInput("no image in the request")
         if len(uploads) > self.max_items_per_request:
-            raise InputTooLarge(
-                f"{len(uploads)} images in one request; the limit is {self.max_items_per_request}"
-            )
+            raise InputTooLarge(f"{len(uploads)} images in one request; the limit is {self.max_items_per_request}")
         if top_k < 1:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
         pixels = await asyncio.gather(
             *(anyio.to_thread.run_sync(prepare_image, upload, self.spec) for upload in uploads)
         )
         batch = np.stack(pixels)
-        chunks = [
-            batch[start : start + self.max_batch_size]
-            for start in range(0, len(batch), self.max_batch_size)
-        ]
+        chunks = [batch[start : start + self.max_batch_size] for start in range(0, len(batch), self.max_batch_size)]
         probabilities = np.concatenate(await asyncio.gather(*(self.predict(c) for c in chunks)))
         return [top_k_predictions(row, self.class_names, top_k) for row in probabilities]

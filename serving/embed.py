@@ -42,8 +42,6 @@ class TextEmbedder:
         """Embeddings in request order and the number of tokens processed."""
         check_text_batch(texts, max_items=self.max_items_per_request)
         ids = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(texts, truncate=truncate))
-        chunks = [
-            ids[start : start + self.max_batch_size] for start in range(0, len(ids), self.max_batch_size)
-        ]
+        chunks = [ids[start : start + self.max_batch_size] for start in range(0, len(ids), self.max_batch_size)]
         embeddings = np.concatenate(await asyncio.gather(*(self.embed_ids(c) for c in chunks)))
         return embeddings, sum(len(row) for row in ids)

@@ -43,16 +43,14 @@ def load_manifest(path: Path | None = None) -> ServingManifest:
     """Read the manifest and apply per-endpoint tag overrides from the environment."""
     path = path or manifest_path()
     if not path.is_file():
-        raise ManifestError(
-            f"no serving manifest at {path}: run `make optimize` (or set {MANIFEST_ENV})"
-        )
+        raise ManifestError(f"no serving manifest at {path}: run `make optimize` (or set {MANIFEST_ENV})")
     try:
         manifest = ServingManifest.model_validate_json(path.read_text())
     except ValidationError as exc:
         raise ManifestError(f"{path} is not a valid serving manifest:\n{exc}") from exc
     for endpoint, env in TAG_OVERRIDE_ENV.items():
         route = getattr(manifest, endpoint)
-        if env in os.environ and route is not None:
+        if os.environ.get(env) and route is not None:
             setattr(manifest, endpoint, route.model_copy(update={"tag": os.environ[env]}))
     return manifest
 

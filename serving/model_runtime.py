@@ -55,6 +55,4 @@ class TextModelRuntime:
         for batch, length in sorted({(1, 8), (max_batch_size, self.spec.text.max_length)}):
             started = time.monotonic()
             self.predict([[1] * length] * batch)
-            logger.info(
-                "warm-up batch %d x %d tokens: %.1f ms", batch, length, 1000 * (time.monotonic() - started)
-            )
+            logger.info("warm-up batch %d x %d tokens: %.1f ms", batch, length, 1000 * (time.monotonic() - started))

@@ -83,12 +83,7 @@ def object_ids() -> list[str]:
 
 
 def core_objects() -> list[dict]:
-    return [
-        obj
-        for docs in load_objects().values()
-        for obj in docs
-        if obj["apiVersion"] != "monitoring.coreos.com/v1"
-    ]
+    return [obj for docs in load_objects().values() for obj in docs if obj["apiVersion"] != "monitoring.coreos.com/v1"]
 
 
 # --- schemas ---------------------------------------------------------------------------
@@ -109,9 +104,7 @@ def test_schema_check_rejects_a_misplaced_field():
 
 
 def test_only_the_servicemonitor_is_left_to_structural_checks():
-    crds = {obj["kind"] for docs in load_objects().values() for obj in docs} - {
-        o["kind"] for o in core_objects()
-    }
+    crds = {obj["kind"] for docs in load_objects().values() for obj in docs} - {o["kind"] for o in core_objects()}
     assert crds == {"ServiceMonitor"}
 
 
@@ -287,9 +280,7 @@ def test_prometheus_adapter_serves_the_metric_the_hpa_reads():
 def test_pdb_selects_the_deployments_pods():
     pdb = only("PodDisruptionBudget")
     assert pdb["apiVersion"] == "policy/v1"
-    assert labels_select(
-        pdb["spec"]["selector"], only("Deployment")["spec"]["template"]["metadata"]["labels"]
-    )
+    assert labels_select(pdb["spec"]["selector"], only("Deployment")["spec"]["template"]["metadata"]["labels"])
 
 
 def test_pdb_leaves_a_pod_serving_at_the_hpas_minimum():
@@ -322,9 +313,7 @@ def test_plain_prometheus_scrape_keeps_only_optiserve_pods_on_the_http_port():
     config = yaml.safe_load((K8S / "prometheus-scrape.yaml").read_text())
     (job,) = config["scrape_configs"]
     assert job["metrics_path"] == "/metrics"
-    keeps = {
-        tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"
-    }
+    keeps = {tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
     pod_labels = only("Deployment")["spec"]["template"]["metadata"]["labels"]
     for label, value in pod_labels.items():
         meta = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)

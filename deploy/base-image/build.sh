@@ -157,7 +157,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-log "debootstrap --variant=minbase (takes a few minutes)"
+log "debootstrap --variant=minbase (about a minute)"
 debootstrap --variant=minbase --components=main --include="$PACKAGES" \
     "$SUITE" "$ROOTFS" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 || {
     tail -n 40 "$WORK/debootstrap.log" >&2

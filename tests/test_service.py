@@ -1,0 +1,250 @@
+"""The real service: `bentoml serve` on a free port, called over HTTP with real photos and text."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+from PIL import Image
+
+from pipeline.samples import encode, sample_photos
+from serving.embed import decode_base64_f16
+
+pytestmark = pytest.mark.slow
+
+CAT_CLASSES = {"tabby", "tiger cat", "Persian cat", "Siamese cat", "Egyptian cat", "lynx"}
+PLAUSIBLE_TOP5 = {
+    "chelsea": CAT_CLASSES,
+    "coffee": {"espresso", "cup", "coffee mug"},
+    "rocket": {"missile", "projectile", "space shuttle"},
+}
+
+
+def labels(predictions: list[dict]) -> list[str]:
+    return [p["label"] for p in predictions]
+
+
+@pytest.mark.parametrize("photo", sorted(PLAUSIBLE_TOP5))
+def test_real_photos_get_plausible_imagenet_labels(server, photo: str) -> None:
+    with server.client() as client:
+        response = client.post("/classify", files={"image": (f"{photo}.jpg", sample_photos()[photo], "image/jpeg")})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"].startswith("image-classifier:")
+    assert len(body["predictions"]) == 5
+    assert PLAUSIBLE_TOP5[photo] & set(labels(body["predictions"]))
+    scores = [p["score"] for p in body["predictions"]]
+    assert scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1.0001
+
+
+def test_raw_body_and_multipart_give_the_same_answer(server) -> None:
+    photo = sample_photos()["chelsea"]
+    with server.client() as client:
+        raw = client.post("/classify?top_k=3", content=photo, headers={"content-type": "image/jpeg"}).json()
+        form = client.post("/classify", files={"image": ("c.jpg", photo, "image/jpeg")}, data={"top_k": "3"}).json()
+    assert raw == form and len(raw["predictions"]) == 3
+
+
+def test_classify_batch_equals_one_by_one(server) -> None:
+    photos = sample_photos()
+    with server.client() as client:
+        batch = client.post(
+            "/classify_batch", files=[("images", (n, d, "application/octet-stream")) for n, d in photos.items()]
+        )
+        singles = [client.post("/classify", files={"image": (n, d)}).json()["predictions"] for n, d in photos.items()]
+    assert batch.status_code == 200, batch.text
+    results = batch.json()["results"]
+    assert len(results) == len(photos)
+    for one, single in zip(results, singles, strict=True):
+        assert labels(one) == labels(single)
+        np.testing.assert_allclose([p["score"] for p in one], [p["score"] for p in single], atol=1e-5)
+
+
+def embed(client: httpx.Client, texts: list[str], **options) -> httpx.Response:
+    return client.post("/embed", json={"texts": texts, **options})
+
+
+def test_paraphrases_embed_closer_than_unrelated_sentences(server) -> None:
+    texts = [
+        "A man is playing a guitar.",
+        "Someone is strumming a guitar.",
+        "The stock market fell sharply on Monday.",
+    ]
+    with server.client() as client:
+        response = embed(client, texts)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    vectors = np.array(body["embeddings"])
+    assert vectors.shape == (3, 384) and body["dimensions"] == 384
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    paraphrase, unrelated = vectors[0] @ vectors[1], vectors[0] @ vectors[2]
+    assert paraphrase > 0.5 > unrelated
+
+
+def test_base64_float16_matches_float_response(server) -> None:
+    texts = ["a cat", "a dog", "the cat sat on the mat"]
+    with server.client() as client:
+        floats = np.array(embed(client, texts).json()["embeddings"])
+        compact = embed(client, texts, encoding_format="base64").json()
+    assert compact["encoding_format"] == "base64"
+    np.testing.assert_allclose(decode_base64_f16(compact["embeddings"]), floats, atol=1e-3)
+
+
+def test_batched_embeddings_equal_single_embeddings(server) -> None:
+    texts = ["short", "a somewhat longer sentence about serving models over HTTP", "mid length text"]
+    with server.client() as client:
+        together = np.array(embed(client, texts).json()["embeddings"])
+        alone = np.array([embed(client, [t]).json()["embeddings"][0] for t in texts])
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+
+
+def test_openapi_lists_the_endpoints(server) -> None:
+    with server.client() as client:
+        spec = client.get("/docs.json").json()
+    for path in ("/classify", "/classify_batch", "/embed"):
+        assert "post" in spec["paths"][path]
+    assert "multipart/form-data" in spec["paths"]["/classify"]["post"]["requestBody"]["content"]
+    assert "image/jpeg" in spec["paths"]["/classify"]["post"]["requestBody"]["content"]
+
+
+def batch_size_counts(metrics: str, service: str) -> tuple[float, float]:
+    """(observations, observations of batch size 1) from BentoML's adaptive batch histogram."""
+
+    def value(pattern: str) -> float:
+        found = re.findall(pattern + r'[^}]*service_name="' + service + r'"[^}]*\} ([0-9.e+]+)', metrics)
+        return sum(float(v) for v in found)
+
+    return value(r"bentoml_service_adaptive_batch_size_count\{"), value(
+        r'bentoml_service_adaptive_batch_size_bucket\{le="1.0",'
+    )
+
+
+def test_concurrent_requests_are_batched(server) -> None:
+    photo = sample_photos()["coffee"]
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            responses = await asyncio.gather(
+                *(client.post("/classify", files={"image": ("c.jpg", photo, "image/jpeg")}) for _ in range(48))
+            )
+        return [r.status_code for r in responses]
+
+    with server.client() as client:
+        before = batch_size_counts(client.get("/metrics").text, "ImageModel")
+        assert asyncio.run(burst()) == [200] * 48
+        after = batch_size_counts(client.get("/metrics").text, "ImageModel")
+    batches, single_batches = after[0] - before[0], after[1] - before[1]
+    assert batches < 48, "every request ran alone"
+    assert single_batches < batches, "no batch larger than one request"
+
+
+def bomb() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("L", (12_000, 12_000)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+BAD_IMAGE_REQUESTS = {
+    "corrupt image": ({"files": {"image": ("x.jpg", sample_photos()["chelsea"][:3000], "image/jpeg")}}, 422),
+    "non-image": ({"files": {"image": ("x.pdf", b"%PDF-1.4 not a picture", "application/octet-stream")}}, 422),
+    "zero-byte body": ({"content": b"", "headers": {"content-type": "image/jpeg"}}, 400),
+    "zero-byte file": ({"files": {"image": ("x.jpg", b"", "image/jpeg")}}, 400),
+    "decompression bomb": ({"content": bomb(), "headers": {"content-type": "image/png"}}, 413),
+    "wrong content type": ({"content": b"hello", "headers": {"content-type": "text/plain"}}, 415),
+    "declared non-image part": ({"files": {"image": ("x.txt", b"hello", "text/plain")}}, 415),
+    "text field instead of file": (
+        {"data": {"image": "http://127.0.0.1/cat.jpg"}, "files": {"other": ("o", b"x")}},
+        422,
+    ),
+    "no image field": ({"files": {"picture": ("x.jpg", sample_photos()["chelsea"], "image/jpeg")}}, 422),
+    "bad top_k": (
+        {"files": {"image": ("x.jpg", sample_photos()["chelsea"], "image/jpeg")}, "data": {"top_k": "many"}},
+        422,
+    ),
+    "gif": ({"content": encode(np.zeros((8, 8, 3), np.uint8), "GIF"), "headers": {"content-type": "image/gif"}}, 415),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_IMAGE_REQUESTS))
+def test_bad_image_requests_get_a_clear_4xx(server, case: str) -> None:
+    request, status = BAD_IMAGE_REQUESTS[case]
+    with server.client() as client:
+        response = client.post("/classify", **request)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]
+
+
+def test_too_many_images_in_one_request(server) -> None:
+    files = [("images", ("x.jpg", sample_photos()["chelsea"], "image/jpeg"))] * 65
+    with server.client() as client:
+        response = client.post("/classify_batch", files=files)
+    assert response.status_code == 413
+    assert "limit is 64" in response.json()["error"]
+
+
+BAD_TEXT_REQUESTS = {
+    "empty list": ({"json": {"texts": []}}, 400, "texts is empty"),
+    "blank text": ({"json": {"texts": ["ok", ""]}}, 422, "texts[1] is empty"),
+    "over the batch limit": ({"json": {"texts": ["x"] * 257}}, 413, "limit per request is 256"),
+    "over-long text": ({"json": {"texts": ["word " * 400]}}, 413, "the model takes at most 256"),
+    "wrong content type": ({"content": b"hello", "headers": {"content-type": "text/plain"}}, 415, "application/json"),
+    "not a list": ({"json": {"texts": "hello"}}, 422, "texts"),
+    "unknown field": ({"json": {"texts": ["a"], "normalize": False}}, 422, "normalize"),
+    "invalid json": ({"content": b"{bad", "headers": {"content-type": "application/json"}}, 422, "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TEXT_REQUESTS))
+def test_bad_text_requests_get_a_clear_4xx(server, case: str) -> None:
+    request, status, message = BAD_TEXT_REQUESTS[case]
+    with server.client() as client:
+        response = client.post("/embed", **request)
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]
+
+
+def test_over_long_text_is_accepted_with_truncate(server) -> None:
+    with server.client() as client:
+        response = embed(client, ["word " * 400], truncate=True)
+    assert response.status_code == 200
+    assert response.json()["tokens"] == 256
+
+
+def test_the_service_still_answers_after_bad_input(server) -> None:
+    with server.client() as client:
+        client.post("/classify", content=bomb(), headers={"content-type": "image/png"})
+        assert client.post("/classify", files={"image": ("c.jpg", sample_photos()["chelsea"])}).status_code == 200
+
+
+def test_no_serving_process_loads_torch(server) -> None:
+    """The serving image carries no torch: no process of the running service has it mapped."""
+    processes = [psutil.Process(server.process.pid), *psutil.Process(server.process.pid).children(recursive=True)]
+    assert len(processes) >= 3  # supervisor, front, model workers
+    for process in processes:
+        maps = Path(f"/proc/{process.pid}/maps").read_text()
+        assert "libtorch" not in maps, f"{process.cmdline()} has torch loaded"
+
+
+def test_service_import_pulls_no_training_stack(manifest_file) -> None:
+    code = (
+        "import sys, service\n"
+        "heavy = sorted(m for m in ('torch', 'torchvision', 'transformers', 'pipeline') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OPTISERVE_MANIFEST": str(manifest_file)},
+        check=True,
+    )
+    assert result.stdout.strip().splitlines()[-1] == "[]"
