@@ -14,15 +14,17 @@ from rich.table import Table
 from pipeline.build import build
 from pipeline.export_check import ExportCheckError
 from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
+from pipeline.report import write_report
 from serving.manifest import DEFAULT_MANIFEST, ServingManifest, write_manifest
 
-console = Console(stderr=True)
+console = Console(stderr=True, width=160)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     parser.add_argument("recipes", nargs="+", type=Path, help="recipe files (models/*.yaml)")
     parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST, help="serving manifest to write")
+    parser.add_argument("--reports", type=Path, default=Path("reports"), help="where report.md and plots go")
     parser.add_argument("--force", action="store_true", help="rebuild even when the store has this recipe")
     return parser.parse_args(argv)
 
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]recipe error[/red] {exc}")
         return 2
     routes = {}
-    table = Table("recipe", "model tag", "built", "max |Δ|", "min cosine", "top-1 agree", "seconds")
+    table = Table("recipe", "served", "built", "variants accepted", "batching", "report", "seconds")
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
     ) as progress:
@@ -68,14 +70,21 @@ def main(argv: list[str] | None = None) -> int:
             progress.update(task, description=f"{loaded.name}: done", total=1, completed=1)
             progress.advance(overall)
             routes[loaded.recipe.serving.endpoint] = result.route(loaded)
-            check = result.model.info.metadata["export_check"]
+            report = write_report(
+                loaded.recipe,
+                result.candidates,
+                result.eager,
+                served=str(result.model.tag),
+                batching=result.batching.reason,
+                directory=args.reports / loaded.name,
+            )
             table.add_row(
                 loaded.name,
-                str(result.model.tag),
+                f"{result.model.tag} ({result.model.info.labels['variant']})",
                 "reused" if result.reused else "new",
-                f"{check['max_abs_diff']:.2e}",
-                f"{check['min_cosine']:.6f}",
-                f"{check['top1_agreement']:.3f}" if "top1_agreement" in check else "-",
+                ", ".join(c.variant for c in result.candidates if c.accepted),
+                f"{result.batching.max_batch_size} rows, {result.batching.max_latency_ms} ms",
+                str(report),
                 f"{time.monotonic() - started:.1f}",
             )
     write_manifest(ServingManifest(**routes), args.manifest)

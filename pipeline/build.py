@@ -1,4 +1,5 @@
-"""One recipe end to end: source → ONNX → export check → model store, reusing unchanged work."""
+"""One recipe end to end: source → ONNX FP32 → checked → variants tuned against the budget →
+profiled → served variant selected → every accepted artifact in the model store → report."""
 
 from __future__ import annotations
 
@@ -9,25 +10,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import bentoml
+import numpy as np
 import onnx
 import torch
 
-from pipeline.export import export_onnx, serving_graph
+from pipeline.datasets import Split, photo_split, text_split
+from pipeline.evaluate import evaluate, run_batched
+from pipeline.export import ServingGraph, export_onnx, serving_graph
 from pipeline.export_check import check_export, image_batches, text_batches
-from pipeline.recipe import LoadedRecipe
-from pipeline.registry import RECIPE_HASH, find_registered, register
-from pipeline.sources import load_source
+from pipeline.profile import Batching, ProfilePoint, best_point, choose_batching, onnx_runner, profile
+from pipeline.recipe import LoadedRecipe, Recipe
+from pipeline.registry import RECIPE_HASH, find_selected, register
+from pipeline.sources import SourceModel, load_source
+from pipeline.tuning import Candidate, tune
+from pipeline.variants import KINDS, VariantInputs
+from serving.engine import EngineSettings, OnnxEngine, available_providers
 from serving.manifest import Route
 from serving.model_spec import CLASS_NAMES_FILE, ONNX_FILE, SPEC_KEY, TOKENIZER_FILE, ImageInput, ModelSpec, TextInput
+from serving.text import TextTokenizer, pad_batch
 
 # Bump when export or registration changes what an unchanged recipe produces.
-EXPORT_REVISION = "1"
+EXPORT_REVISION = "2"
 Step = Callable[[str], None]
+EAGER = "pytorch-eager"
 
 
 @dataclass(frozen=True)
 class BuildResult:
-    model: bentoml.Model
+    model: bentoml.Model  # the selected (served) variant
+    batching: Batching
+    candidates: list[Candidate]
+    eager: list[ProfilePoint]
     reused: bool
 
     def route(self, loaded: LoadedRecipe) -> Route:
@@ -35,8 +48,8 @@ class BuildResult:
         return Route(
             tag=str(self.model.tag),
             recipe=loaded.recipe.name,
-            max_batch_size=serving.max_batch_size,
-            max_latency_ms=serving.max_latency_ms,
+            max_batch_size=serving.max_batch_size or self.batching.max_batch_size,
+            max_latency_ms=serving.max_latency_ms or self.batching.max_latency_ms,
             max_items_per_request=serving.max_items_per_request,
         )
 
@@ -45,62 +58,230 @@ def recipe_hash(loaded: LoadedRecipe) -> str:
     return loaded.content_hash(extra=f"{EXPORT_REVISION}|torch={torch.__version__!s}|onnx={onnx.__version__}")
 
 
+@dataclass
+class TaskData:
+    """Everything task-specific the build needs, prepared once."""
+
+    spec: ModelSpec
+    files: dict[str, Path]
+    check_batches: list[dict[str, np.ndarray]]
+    feeds: Callable[[list], dict]
+    synthetic_feeds: Callable[[int], dict]
+    calibration: Split
+    evaluation: Split
+
+
+def image_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, workdir: Path) -> TaskData:
+    spec_in = ImageInput(size=recipe.image.size, resize=recipe.image.resize)
+    names = workdir / CLASS_NAMES_FILE
+    names.write_text(json.dumps(source.class_names))
+    evaluation = photo_split(spec_in, calibration=False)
+    return TaskData(
+        spec=ModelSpec(task=recipe.task, image=spec_in, input_names=graph.input_names, output_names=graph.output_names),
+        files={CLASS_NAMES_FILE: names},
+        check_batches=image_batches(recipe),
+        feeds=lambda rows: {graph.input_names[0]: np.stack(rows)},
+        synthetic_feeds=lambda batch: {
+            graph.input_names[0]: np.stack([evaluation.rows[i % len(evaluation)] for i in range(batch)])
+        },
+        calibration=photo_split(spec_in, calibration=True),
+        evaluation=evaluation,
+    )
+
+
+def text_task(recipe: Recipe, source: SourceModel, graph: ServingGraph) -> TaskData:
+    tokenizer_file = source.model_dir / TOKENIZER_FILE
+    config = source.module.config
+    spec = ModelSpec(
+        task=recipe.task,
+        text=TextInput(
+            max_length=recipe.text.max_length, pad_token_id=config.pad_token_id or 0, dimensions=config.hidden_size
+        ),
+        input_names=graph.input_names,
+        output_names=graph.output_names,
+    )
+    tokenizer = TextTokenizer(tokenizer_file, max_length=recipe.text.max_length)
+    encode = lambda texts: tokenizer.encode(texts, truncate=True)  # noqa: E731
+    length = recipe.profiling.sequence_length
+    return TaskData(
+        spec=spec,
+        files={TOKENIZER_FILE: tokenizer_file},
+        check_batches=text_batches(tokenizer_file, recipe.text.max_length),
+        feeds=lambda rows: pad_batch(rows, tokenizer.pad_id),
+        synthetic_feeds=lambda batch: pad_batch([[1] * length] * batch, tokenizer.pad_id),
+        calibration=text_split(encode, calibration=True),
+        evaluation=text_split(encode, calibration=False),
+    )
+
+
+def _predictor(data: TaskData, settings: EngineSettings) -> Callable[[Path], np.ndarray]:
+    def predict(path: Path) -> np.ndarray:
+        engine = OnnxEngine(path, settings)
+        output = engine.output_names[0]
+        return run_batched(lambda rows: engine.run(data.feeds(rows))[output], data.evaluation)
+
+    return predict
+
+
+def _eager_runner(graph: ServingGraph, data: TaskData):
+    def run(batch: int):
+        feeds = data.synthetic_feeds(batch)
+        with torch.inference_mode():
+            return graph.module(*(torch.from_numpy(feeds[name]) for name in graph.input_names))
+
+    return run
+
+
+def _fp16_on_cpu_only(candidate: Candidate, fp32: Candidate) -> Candidate:
+    """FP16 is for GPU providers; on CPU it is kept only if it measured faster than FP32."""
+    if candidate.variant != "fp16" or not candidate.accepted or available_providers() != ["CPUExecutionProvider"]:
+        return candidate
+    ratio = best_point(candidate.profile).throughput / best_point(fp32.profile).throughput
+    if ratio > 1:
+        return candidate
+    return candidate.model_copy(
+        update={"accepted": False, "reason": f"skipped: on CPU fp16 runs at {ratio:.2f}× FP32 throughput"}
+    )
+
+
+def select(candidates: list[Candidate], slo_ms: float) -> Candidate:
+    """Highest throughput among accepted variants, counting only batch sizes whose p99 meets the SLO."""
+
+    def throughput_within_slo(candidate: Candidate) -> float:
+        return max((p.throughput for p in candidate.profile if p.p99_ms <= slo_ms), default=0.0)
+
+    return max((c for c in candidates if c.accepted), key=throughput_within_slo)
+
+
 def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = False) -> BuildResult:
     content_hash = recipe_hash(loaded)
-    if not force and (existing := find_registered(loaded.name, content_hash, "fp32")) is not None:
-        return BuildResult(existing, reused=True)
+    if not force and (reused := reuse(loaded.name, content_hash)) is not None:
+        return reused
     recipe = loaded.recipe
     step("loading source model")
     source = load_source(loaded)
     graph = serving_graph(recipe, source)
+    settings = EngineSettings.from_environment()
+    slo_ms = recipe.budget.p99_slo_ms if recipe.budget else 1000.0
     with tempfile.TemporaryDirectory(prefix="optiserve-") as scratch:
         workdir = Path(scratch)
         step("exporting to ONNX")
-        onnx_path = export_onnx(graph, workdir / ONNX_FILE, opset=recipe.export.opset)
-        files = {ONNX_FILE: onnx_path}
-        if recipe.task == "image-classification":
-            (workdir / CLASS_NAMES_FILE).write_text(json.dumps(source.class_names))
-            files[CLASS_NAMES_FILE] = workdir / CLASS_NAMES_FILE
-            spec = ModelSpec(
-                task=recipe.task,
-                image=ImageInput(size=recipe.image.size, resize=recipe.image.resize),
-                input_names=graph.input_names,
-                output_names=graph.output_names,
-            )
-            batches = image_batches(recipe)
-        else:
-            files[TOKENIZER_FILE] = source.model_dir / TOKENIZER_FILE
-            spec = ModelSpec(
-                task=recipe.task,
-                text=TextInput(
-                    max_length=recipe.text.max_length,
-                    pad_token_id=source.module.config.pad_token_id or 0,
-                    dimensions=source.module.config.hidden_size,
-                ),
-                input_names=graph.input_names,
-                output_names=graph.output_names,
-            )
-            batches = text_batches(files[TOKENIZER_FILE], recipe.text.max_length)
-        step("checking ONNX against PyTorch")
-        check = check_export(recipe, graph, onnx_path, batches)
-        step("registering in the model store")
-        model = register(
-            recipe.name,
-            files,
-            labels={
-                "task": recipe.task,
-                "variant": "fp32",
-                "precision": "fp32",
-                "runtime": "onnxruntime",
-                "recipe": recipe.name,
-            },
-            metadata={
-                RECIPE_HASH: content_hash,
-                SPEC_KEY: spec.model_dump(mode="json", exclude_none=True),
-                "source": recipe.source.model_dump(mode="json"),
-                "export_check": check.as_metadata(),
-                "opset": recipe.export.opset,
-                "versions": {"torch": str(torch.__version__), "onnx": onnx.__version__},
-            },
+        fp32_path = export_onnx(graph, workdir / ONNX_FILE, opset=recipe.export.opset)
+        data = (
+            image_task(recipe, source, graph, workdir)
+            if recipe.task == "image-classification"
+            else text_task(recipe, source, graph)
         )
-    return BuildResult(model, reused=False)
+        step("checking ONNX against PyTorch")
+        check = check_export(recipe, graph, fp32_path, data.check_batches)
+        predict = _predictor(data, settings)
+        reference = predict(fp32_path)
+        labels = data.evaluation.labels
+        baseline = evaluate(recipe.task, reference, reference, labels)
+        fp32 = Candidate(
+            variant="fp32",
+            precision="fp32",
+            path=fp32_path,
+            size_mb=fp32_path.stat().st_size / 1e6,
+            metrics=baseline,
+            drops={k: 0.0 for k in baseline},
+            accepted=True,
+            reason="reference",
+        )
+        candidates = [fp32]
+        inputs = VariantInputs(
+            task=recipe.task,
+            fp32=fp32_path,
+            workdir=workdir,
+            calibration=data.calibration,
+            feeds=data.feeds,
+            num_heads=getattr(getattr(source.module, "config", None), "num_attention_heads", 0),
+            hidden_size=getattr(getattr(source.module, "config", None), "hidden_size", 0),
+        )
+        for name in recipe.variants:
+            step(f"variant {name}")
+            candidate = tune(
+                KINDS[name],
+                inputs,
+                predict=predict,
+                reference=reference,
+                baseline=baseline,
+                labels=labels,
+                budget=recipe.budget,
+            )
+            if candidate.accepted:
+                inputs.built[name] = candidate.path
+            candidates.append(candidate)
+        step("profiling (interleaved): " + ", ".join(c.variant for c in candidates if c.accepted) + ", PyTorch eager")
+        runners = {c.variant: onnx_runner(c.path, data.synthetic_feeds, settings) for c in candidates if c.accepted}
+        runners[EAGER] = _eager_runner(graph, data)
+        profiles = profile(
+            runners,
+            recipe.profiling.max_batch_size,
+            slo_ms=slo_ms,
+            seconds_per_point=recipe.profiling.seconds_per_point,
+        )
+        eager = profiles.pop(EAGER)
+        for candidate in candidates:
+            candidate.profile = profiles.get(candidate.variant, [])
+        candidates = [_fp16_on_cpu_only(c, fp32) for c in candidates]
+        chosen = select(candidates, slo_ms)
+        batching = choose_batching(chosen.profile, slo_ms=slo_ms)
+        step("registering in the model store")
+        summary = [c.model_dump(mode="json", exclude={"path"}) for c in candidates]
+        stored = {}
+        for candidate in candidates:
+            if not candidate.accepted:
+                continue
+            stored[candidate.variant] = register(
+                recipe.name,
+                {ONNX_FILE: candidate.path, **data.files},
+                labels={
+                    "task": recipe.task,
+                    "variant": candidate.variant,
+                    "precision": candidate.precision,
+                    "runtime": "onnxruntime",
+                    "recipe": recipe.name,
+                },
+                metadata=_clean(
+                    {
+                        RECIPE_HASH: content_hash,
+                        SPEC_KEY: data.spec.model_dump(mode="json", exclude_none=True),
+                        "source": recipe.source.model_dump(mode="json"),
+                        "export_check": check.as_metadata(),
+                        "opset": recipe.export.opset,
+                        "versions": {"torch": str(torch.__version__), "onnx": onnx.__version__},
+                        "variant_config": candidate.config,
+                        "evaluation": {"metrics": candidate.metrics, "drops": candidate.drops},
+                        "profile": [p.model_dump() for p in candidate.profile],
+                        "selected": candidate is chosen,
+                        "batching": batching.model_dump() if candidate is chosen else {},
+                        "candidates": summary if candidate is chosen else [],
+                        "eager_profile": [p.model_dump() for p in eager] if candidate is chosen else [],
+                    }
+                ),
+            )
+    return BuildResult(stored[chosen.variant], batching, candidates, eager, reused=False)
+
+
+def _clean(value):
+    """BentoML metadata takes basic types only: drop None, keep everything else."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def reuse(name: str, content_hash: str) -> BuildResult | None:
+    model = find_selected(name, content_hash)
+    if model is None:
+        return None
+    metadata = model.info.metadata
+    return BuildResult(
+        model=model,
+        batching=Batching.model_validate(metadata["batching"]),
+        candidates=[Candidate.model_validate(c) for c in metadata["candidates"]],
+        eager=[ProfilePoint.model_validate(p) for p in metadata["eager_profile"]],
+        reused=True,
+    )

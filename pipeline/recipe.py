@@ -84,9 +84,38 @@ class Export(Strict):
 
 class Serving(Strict):
     endpoint: Literal["classify", "embed"]
-    max_batch_size: int = Field(default=32, ge=1, le=1024)
-    max_latency_ms: int = Field(default=1000, ge=1, description="BentoML sheds requests it cannot serve within this")
+    max_batch_size: int | None = Field(default=None, ge=1, le=1024, description="override the profiled value")
+    max_latency_ms: int | None = Field(
+        default=None, ge=1, description="override; BentoML sheds requests it cannot serve within this"
+    )
     max_items_per_request: int = Field(default=64, ge=1)
+
+
+VariantName = Literal["graph-opt", "int8-dynamic", "int8-static", "fp16"]
+METRICS = {
+    "image-classification": ("top1_agreement", "top5_agreement", "accuracy"),
+    "text-embedding": ("mean_cosine", "min_cosine", "knn10_agreement"),
+}
+
+
+class Budget(Strict):
+    max_drop: dict[str, float] = Field(description="metric → largest drop from the FP32 model's own score")
+    p99_slo_ms: float = Field(default=1000, gt=0, description="p99 of one model call at the chosen batch size")
+
+    @model_validator(mode="after")
+    def _drops_are_fractions(self) -> Budget:
+        for metric, drop in self.max_drop.items():
+            if not 0 <= drop <= 1:
+                raise ValueError(f"max_drop.{metric} must be between 0 and 1, got {drop}")
+        if not self.max_drop:
+            raise ValueError("max_drop needs at least one metric")
+        return self
+
+
+class Profiling(Strict):
+    max_batch_size: int = Field(default=64, ge=1, le=1024)
+    sequence_length: int = Field(default=128, gt=2, description="text: tokens per row while profiling")
+    seconds_per_point: float = Field(default=2.0, gt=0)
 
 
 class Recipe(Strict):
@@ -101,6 +130,9 @@ class Recipe(Strict):
     image: ImagePreprocess | None = None
     text: TextPreprocess | None = None
     export: Export
+    variants: list[VariantName] = Field(default_factory=list, description="tried in this order, after FP32")
+    budget: Budget | None = None
+    profiling: Profiling = Profiling()
     serving: Serving
 
     @model_validator(mode="after")
@@ -111,6 +143,15 @@ class Recipe(Strict):
                 raise ValueError(f"task {self.task} needs the field {field!r}")
         if self.task == "text-embedding" and self.source.kind != "huggingface":
             raise ValueError("task text-embedding needs a source of kind 'huggingface'")
+        if self.variants and self.budget is None:
+            raise ValueError("variants need a budget: every variant is judged against it")
+        if self.budget is not None:
+            known = METRICS[self.task]
+            for metric in self.budget.max_drop:
+                if metric not in known:
+                    raise ValueError(
+                        f"budget.max_drop.{metric}: not a metric of {self.task} (known: {', '.join(known)})"
+                    )
         return self
 
 
@@ -178,7 +219,7 @@ def _format_error(path: Path, exc: ValidationError) -> str:
         # A discriminated union adds the tag ("torchvision") to the location; users never wrote it.
         location = ".".join(str(p) for p in error["loc"] if p not in SOURCE_KINDS)
         message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
-        lines.append(f"{path}: {location or '(top level)'}: {message}")
+        lines.append(f"{path}: {location}: {message}" if location else f"{path}: {message}")
     return "\n".join(lines)
 
 

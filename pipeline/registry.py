@@ -19,17 +19,13 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def find_registered(name: str, recipe_hash: str, variant: str) -> bentoml.Model | None:
-    """The newest stored model built from exactly this recipe content and variant, if any."""
+def find_selected(name: str, recipe_hash: str) -> bentoml.Model | None:
+    """The newest served variant built from exactly this recipe content, if any."""
     try:
         stored = bentoml.models.list(name)
     except bentoml.exceptions.NotFound:
         return None
-    matches = [
-        model
-        for model in stored
-        if model.info.metadata.get(RECIPE_HASH) == recipe_hash and model.info.labels.get("variant") == variant
-    ]
+    matches = [m for m in stored if m.info.metadata.get(RECIPE_HASH) == recipe_hash and m.info.metadata.get("selected")]
     return max(matches, key=lambda m: m.info.creation_time, default=None)
 
 

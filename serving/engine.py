@@ -50,6 +50,7 @@ class OnnxEngine:
         options.inter_op_num_threads = settings.inter_op_threads
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3  # errors only: graph-cleanup notices would flood service logs
         self.session = ort.InferenceSession(
             str(model_path),
             sess_options=options,

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 
 from pipeline.build import BuildResult, build  # noqa: E402
-from pipeline.recipe import LoadedRecipe, load_recipe  # noqa: E402
+from pipeline.recipe import LoadedRecipe, Profiling, load_recipe  # noqa: E402
 from serving.manifest import ServingManifest, write_manifest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,9 +38,16 @@ def bentoml_home() -> Path:
     return _BENTOML_HOME
 
 
+def quick(loaded: LoadedRecipe, **changes) -> LoadedRecipe:
+    """The same recipe with a short profile and no variants unless given: service tests need the
+    FP32 artifacts, not a full optimization run (variants have their own tests)."""
+    settings = {"variants": [], "profiling": Profiling(max_batch_size=8, seconds_per_point=0.2), **changes}
+    return loaded.model_copy(update={"recipe": loaded.recipe.model_copy(update=settings)})
+
+
 @pytest.fixture(scope="session")
 def default_recipes() -> dict[str, LoadedRecipe]:
-    return {name: load_recipe(REPO / "models" / f"{name}.yaml") for name in DEFAULT_RECIPES}
+    return {name: quick(load_recipe(REPO / "models" / f"{name}.yaml")) for name in DEFAULT_RECIPES}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,95 @@
+"""Latency and throughput against batch size on the machine at hand, and the batching they imply.
+
+Candidates are timed interleaved (one call each, in turn) so that a noisy neighbour on a
+shared machine slows them all alike and their ratios stay meaningful.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel
+
+from serving.engine import EngineSettings, OnnxEngine
+
+Run = Callable[[int], object]
+
+
+class ProfilePoint(BaseModel):
+    batch_size: int
+    p50_ms: float
+    p99_ms: float
+    throughput: float  # rows per second at p50
+
+
+class Batching(BaseModel):
+    max_batch_size: int
+    max_latency_ms: int
+    reason: str
+
+
+def _point(batch_size: int, timings: list[float]) -> ProfilePoint:
+    p50, p99 = np.percentile(timings, [50, 99]) * 1000
+    return ProfilePoint(batch_size=batch_size, p50_ms=p50, p99_ms=p99, throughput=batch_size / (p50 / 1000))
+
+
+def profile(
+    runners: dict[str, Run],
+    max_batch_size: int,
+    *,
+    slo_ms: float,
+    seconds_per_point: float = 2.0,
+    min_runs: int = 5,
+    max_runs: int = 50,
+) -> dict[str, list[ProfilePoint]]:
+    """Powers of two up to `max_batch_size`; a runner stops growing once one call breaks the SLO."""
+    points: dict[str, list[ProfilePoint]] = {name: [] for name in runners}
+    active = dict(runners)
+    batch = 1
+    while batch <= max_batch_size and active:
+        for run in active.values():
+            run(batch)  # warm-up: first-call allocations and lazy kernels
+        timings: dict[str, list[float]] = {name: [] for name in active}
+        deadline = time.monotonic() + seconds_per_point * len(active)
+        rounds = 0
+        while rounds < max_runs and (rounds < min_runs or time.monotonic() < deadline):
+            for name, run in active.items():
+                started = time.perf_counter()
+                run(batch)
+                timings[name].append(time.perf_counter() - started)
+            rounds += 1
+        for name in list(active):
+            point = _point(batch, timings[name])
+            points[name].append(point)
+            if point.p99_ms > slo_ms:
+                del active[name]
+        batch *= 2
+    return points
+
+
+def onnx_runner(path: Path, feeds_for: Callable[[int], dict], settings: EngineSettings) -> Run:
+    engine = OnnxEngine(path, settings)
+    return lambda batch: engine.run(feeds_for(batch))
+
+
+def choose_batching(points: list[ProfilePoint], *, slo_ms: float, min_gain: float = 0.05) -> Batching:
+    """The largest batch that still pays (≥ `min_gain` more throughput than half of it) and that
+    leaves room for one batch in flight ahead of it within the SLO (2 × its p99 ≤ SLO)."""
+    fitting = [p for p in points if 2 * p.p99_ms <= slo_ms] or points[:1]
+    chosen = fitting[0]
+    for point in fitting[1:]:
+        if point.throughput < chosen.throughput * (1 + min_gain):
+            break
+        chosen = point
+    reason = (
+        f"batch {chosen.batch_size}: {chosen.throughput:.0f} rows/s, p99 {chosen.p99_ms:.1f} ms; "
+        f"doubling gains < {min_gain:.0%} or breaks 2 × p99 ≤ SLO {slo_ms:.0f} ms"
+    )
+    return Batching(max_batch_size=chosen.batch_size, max_latency_ms=int(slo_ms), reason=reason)
+
+
+def best_point(points: list[ProfilePoint]) -> ProfilePoint:
+    return max(points, key=lambda p: p.throughput)

