@@ -35,7 +35,7 @@ def load_all(paths: list[Path]) -> list[LoadedRecipe]:
     seen: dict[str, Path] = {}
     for item in loaded:
         endpoint = item.recipe.serving.endpoint
-        if endpoint in seen:
+        if endpoint is not None and endpoint in seen:
             raise RecipeError(f"{item.path}: serving.endpoint: {endpoint!r} is already served by {seen[endpoint]}")
         seen[endpoint] = item.path
     return loaded
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             progress.update(task, description=f"{loaded.name}: done", total=1, completed=1)
             progress.advance(overall)
-            routes[loaded.recipe.serving.endpoint] = result.route(loaded)
+            if loaded.recipe.serving.endpoint is not None:
+                routes[loaded.recipe.serving.endpoint] = result.route(loaded)
             report = write_report(
                 loaded.recipe,
                 result.candidates,

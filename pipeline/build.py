@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import torch
 
-from pipeline.datasets import Split, photo_split, text_split
+from pipeline.datasets import Split, digits_split, photo_split, text_split
 from pipeline.evaluate import evaluate, run_batched
 from pipeline.export import ServingGraph, export_onnx, serving_graph
 from pipeline.export_check import check_export, image_batches, text_batches
@@ -69,13 +69,21 @@ class TaskData:
     synthetic_feeds: Callable[[int], dict]
     calibration: Split
     evaluation: Split
+    training: Split | None = None
 
 
 def image_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, workdir: Path) -> TaskData:
     spec_in = ImageInput(size=recipe.image.size, resize=recipe.image.resize)
     names = workdir / CLASS_NAMES_FILE
     names.write_text(json.dumps(source.class_names))
-    evaluation = photo_split(spec_in, calibration=False)
+    if recipe.source.kind == "train-digits":
+        calibration, evaluation, training = (digits_split(p) for p in ("calibration", "evaluation", "training"))
+    else:
+        calibration, evaluation, training = (
+            photo_split(spec_in, calibration=True),
+            photo_split(spec_in, calibration=False),
+            None,
+        )
     return TaskData(
         spec=ModelSpec(task=recipe.task, image=spec_in, input_names=graph.input_names, output_names=graph.output_names),
         files={CLASS_NAMES_FILE: names},
@@ -84,8 +92,9 @@ def image_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, workdir
         synthetic_feeds=lambda batch: {
             graph.input_names[0]: np.stack([evaluation.rows[i % len(evaluation)] for i in range(batch)])
         },
-        calibration=photo_split(spec_in, calibration=True),
+        calibration=calibration,
         evaluation=evaluation,
+        training=training,
     )
 
 
@@ -109,8 +118,9 @@ def text_task(recipe: Recipe, source: SourceModel, graph: ServingGraph) -> TaskD
         check_batches=text_batches(tokenizer_file, recipe.text.max_length),
         feeds=lambda rows: pad_batch(rows, tokenizer.pad_id),
         synthetic_feeds=lambda batch: pad_batch([[1] * length] * batch, tokenizer.pad_id),
-        calibration=text_split(encode, calibration=True),
-        evaluation=text_split(encode, calibration=False),
+        calibration=text_split(encode, "calibration"),
+        evaluation=text_split(encode, "evaluation"),
+        training=text_split(encode, "training"),
     )
 
 
@@ -197,6 +207,10 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             feeds=data.feeds,
             num_heads=getattr(getattr(source.module, "config", None), "num_attention_heads", 0),
             hidden_size=getattr(getattr(source.module, "config", None), "hidden_size", 0),
+            graph=graph,
+            opset=recipe.export.opset,
+            training=data.training,
+            student=recipe.student,
         )
         for name in recipe.variants:
             step(f"variant {name}")

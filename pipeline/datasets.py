@@ -1,17 +1,21 @@
 """Calibration and evaluation inputs, disjoint by construction, prepared through the serving path.
 
 Photos are split by name (calibration never sees an evaluation photo); each is expanded with
-deterministic augmentations. Texts are split by position in the `pydoc_data` corpus.
+deterministic augmentations. Texts are split by position in the `pydoc_data` corpus: every
+eighth sentence for evaluation, another eighth for calibration, the rest for distillation.
+Digits use a fixed stratified 75/25 train/test split; calibration draws from train only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageEnhance, ImageOps
 
-from pipeline.samples import encode, sample_photos, sample_texts
+from pipeline.samples import corpus_sentences, digit_images, encode, sample_photos
 from serving.classify import ImageUpload, prepare_image
 from serving.images import decode_image
 from serving.model_spec import ImageInput
@@ -58,8 +62,27 @@ def photo_split(spec: ImageInput, *, calibration: bool) -> Split:
     return Split(rows)
 
 
-def text_split(encode_texts, *, calibration: bool, size: int = 128) -> Split:
-    """Alternate sentences of the corpus go to calibration and evaluation."""
-    texts = sample_texts(limit=2 * size)
-    chosen = texts[0::2] if calibration else texts[1::2]
-    return Split(encode_texts(chosen))
+TextPart = Literal["calibration", "evaluation", "training"]
+DigitsPart = Literal["calibration", "evaluation", "training"]
+
+
+def text_split(encode_texts: Callable[[list[str]], list], part: TextPart) -> Split:
+    sentences = corpus_sentences()
+    chosen = {
+        "evaluation": sentences[1::8][:256],
+        "calibration": sentences[0::8][:128],
+        "training": [s for i, s in enumerate(sentences) if i % 8 not in (0, 1)],
+    }[part]
+    return Split(encode_texts(list(chosen)))
+
+
+def digits_split(part: DigitsPart) -> Split:
+    from sklearn.model_selection import train_test_split
+
+    images, labels = digit_images()
+    train_x, test_x, train_y, test_y = train_test_split(images, labels, test_size=0.25, random_state=0, stratify=labels)
+    if part == "evaluation":
+        return Split(list(test_x), test_y)
+    if part == "calibration":
+        return Split(list(train_x[:128]), train_y[:128])
+    return Split(list(train_x), train_y)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +27,17 @@ class ImageClassifierGraph(torch.nn.Module):
         self.register_buffer("mean", torch.tensor(preprocess.mean).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(preprocess.std).view(1, 3, 1, 1))
 
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.permute(0, 3, 1, 2).float() - self.mean) / self.std
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        pixels = images.permute(0, 3, 1, 2).float()
-        return torch.softmax(self.model((pixels - self.mean) / self.std), dim=-1)
+        return torch.softmax(self.model(self.normalize(images)), dim=-1)
+
+    def with_model(self, model: torch.nn.Module) -> ImageClassifierGraph:
+        """The same pre- and post-processing around another network (a distilled student)."""
+        graph = copy.deepcopy(self)
+        graph.model = model
+        return graph.eval()
 
 
 class SentenceEmbeddingGraph(torch.nn.Module):
@@ -47,7 +56,7 @@ class SentenceEmbeddingGraph(torch.nn.Module):
         return torch.nn.functional.normalize(pooled, p=2, dim=-1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServingGraph:
     module: torch.nn.Module
     input_names: list[str]

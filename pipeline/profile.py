@@ -1,7 +1,9 @@
 """Latency and throughput against batch size on the machine at hand, and the batching they imply.
 
-Candidates are timed interleaved (one call each, in turn) so that a noisy neighbour on a
-shared machine slows them all alike and their ratios stay meaningful.
+Candidates are timed interleaved, in short blocks taken in turn, so that a noisy neighbour on
+a shared machine slows them all alike and their ratios stay meaningful. Each block starts with
+an untimed call: thread pools of the previous runtime (ONNX Runtime spins after a run, PyTorch's
+OpenMP pool likewise) must not be billed to the next one.
 """
 
 from __future__ import annotations
@@ -36,31 +38,34 @@ def _point(batch_size: int, timings: list[float]) -> ProfilePoint:
     return ProfilePoint(batch_size=batch_size, p50_ms=p50, p99_ms=p99, throughput=batch_size / (p50 / 1000))
 
 
+def _timed_block(run: Run, batch: int, seconds: float, timings: list[float]) -> None:
+    run(batch)  # untimed: settles caches and the other runtime's spinning threads
+    block_end = time.monotonic() + seconds
+    while True:
+        started = time.perf_counter()
+        run(batch)
+        timings.append(time.perf_counter() - started)
+        if time.monotonic() >= block_end:
+            return
+
+
 def profile(
     runners: dict[str, Run],
     max_batch_size: int,
     *,
     slo_ms: float,
     seconds_per_point: float = 2.0,
-    min_runs: int = 5,
-    max_runs: int = 50,
+    blocks: int = 4,
 ) -> dict[str, list[ProfilePoint]]:
     """Powers of two up to `max_batch_size`; a runner stops growing once one call breaks the SLO."""
     points: dict[str, list[ProfilePoint]] = {name: [] for name in runners}
     active = dict(runners)
     batch = 1
     while batch <= max_batch_size and active:
-        for run in active.values():
-            run(batch)  # warm-up: first-call allocations and lazy kernels
         timings: dict[str, list[float]] = {name: [] for name in active}
-        deadline = time.monotonic() + seconds_per_point * len(active)
-        rounds = 0
-        while rounds < max_runs and (rounds < min_runs or time.monotonic() < deadline):
+        for _ in range(blocks):
             for name, run in active.items():
-                started = time.perf_counter()
-                run(batch)
-                timings[name].append(time.perf_counter() - started)
-            rounds += 1
+                _timed_block(run, batch, seconds_per_point / blocks, timings[name])
         for name in list(active):
             point = _point(batch, timings[name])
             points[name].append(point)

@@ -43,6 +43,15 @@ class TorchvisionSource(Strict):
     num_classes: int = 1000
 
 
+class TrainDigitsSource(Strict):
+    """The pipeline trains its own teacher (a small ResNet) on scikit-learn's digits."""
+
+    kind: Literal["train-digits"]
+    epochs: int = Field(default=40, ge=1)
+    channels: int = Field(default=64, ge=4)
+    blocks: int = Field(default=3, ge=1)
+
+
 class HuggingFaceSource(Strict):
     """A local Hugging Face model directory (never fetched from a hub)."""
 
@@ -50,8 +59,10 @@ class HuggingFaceSource(Strict):
     path: str = Field(description="model directory: a path relative to the recipe, or package:<module>/<dir>")
 
 
-SOURCE_KINDS = frozenset({"efficientnet-lite", "torchvision", "huggingface"})
-Source = Annotated[EfficientNetLiteSource | TorchvisionSource | HuggingFaceSource, Field(discriminator="kind")]
+SOURCE_KINDS = frozenset({"efficientnet-lite", "torchvision", "huggingface", "train-digits"})
+Source = Annotated[
+    EfficientNetLiteSource | TorchvisionSource | HuggingFaceSource | TrainDigitsSource, Field(discriminator="kind")
+]
 
 
 class ImagePreprocess(Strict):
@@ -83,7 +94,7 @@ class Export(Strict):
 
 
 class Serving(Strict):
-    endpoint: Literal["classify", "embed"]
+    endpoint: Literal["classify", "embed"] | None = Field(default=None, description="omit to register only")
     max_batch_size: int | None = Field(default=None, ge=1, le=1024, description="override the profiled value")
     max_latency_ms: int | None = Field(
         default=None, ge=1, description="override; BentoML sheds requests it cannot serve within this"
@@ -91,7 +102,7 @@ class Serving(Strict):
     max_items_per_request: int = Field(default=64, ge=1)
 
 
-VariantName = Literal["graph-opt", "int8-dynamic", "int8-static", "fp16"]
+VariantName = Literal["graph-opt", "int8-dynamic", "int8-static", "fp16", "student", "student-int8"]
 METRICS = {
     "image-classification": ("top1_agreement", "top5_agreement", "accuracy"),
     "text-embedding": ("mean_cosine", "min_cosine", "knn10_agreement"),
@@ -110,6 +121,16 @@ class Budget(Strict):
         if not self.max_drop:
             raise ValueError("max_drop needs at least one metric")
         return self
+
+
+class Student(Strict):
+    """Distillation settings for the `student` variant."""
+
+    epochs: int = Field(default=30, ge=1)
+    temperature: float = Field(default=4.0, gt=0, description="classifiers: softening of teacher targets")
+    alpha: float = Field(default=0.7, ge=0, le=1, description="classifiers: weight of the teacher term")
+    channels: int = Field(default=16, ge=2, description="classifiers: width of the student CNN")
+    layers: int = Field(default=3, ge=1, description="text: teacher layers the student keeps, evenly spread")
 
 
 class Profiling(Strict):
@@ -132,12 +153,15 @@ class Recipe(Strict):
     export: Export
     variants: list[VariantName] = Field(default_factory=list, description="tried in this order, after FP32")
     budget: Budget | None = None
+    student: Student = Student()
     profiling: Profiling = Profiling()
     serving: Serving
 
     @model_validator(mode="after")
     def _task_needs(self) -> Recipe:
-        needs = {"image-classification": ("image", "labels"), "text-embedding": ("text",)}[self.task]
+        needs = {"image-classification": ("image",), "text-embedding": ("text",)}[self.task]
+        if self.task == "image-classification" and self.labels is None and self.source.kind != "train-digits":
+            needs += ("labels",)
         for field in needs:
             if getattr(self, field) is None:
                 raise ValueError(f"task {self.task} needs the field {field!r}")
@@ -206,7 +230,7 @@ def _file_fields(recipe: Recipe) -> dict[str, str]:
     source = recipe.source
     if isinstance(source, HuggingFaceSource):
         fields["source.path"] = source.path
-    else:
+    elif not isinstance(source, TrainDigitsSource):
         fields["source.weights"] = source.weights
     if recipe.labels and recipe.labels != "imagenet":
         fields["labels"] = recipe.labels

@@ -33,15 +33,29 @@ def encode(array: np.ndarray, image_format: str) -> bytes:
 
 
 @cache
-def sample_texts(limit: int = 64) -> list[str]:
-    """Sentences of varied length from `pydoc_data.topics` (ships with CPython)."""
+def corpus_sentences() -> tuple[str, ...]:
+    """Every distinct sentence of 20-600 characters in `pydoc_data.topics` (ships with CPython)."""
     from pydoc_data.topics import topics
 
-    sentences: list[str] = []
+    sentences: dict[str, None] = {}
     for key in sorted(topics):
         for sentence in re.split(r"(?<=[.!?])\s+", " ".join(topics[key].split())):
-            if 20 <= len(sentence) <= 600 and sentence not in sentences:
-                sentences.append(sentence)
-    # Spread across the corpus rather than the first topics only.
-    step = max(1, len(sentences) // limit)
-    return sentences[::step][:limit]
+            if 20 <= len(sentence) <= 600:
+                sentences.setdefault(sentence)
+    return tuple(sentences)
+
+
+def sample_texts(limit: int = 64) -> list[str]:
+    """Sentences spread across the corpus rather than the first topics only."""
+    sentences = corpus_sentences()
+    return list(sentences[:: max(1, len(sentences) // limit)][:limit])
+
+
+@cache
+def digit_images() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 8×8 digits as uint8 RGB images (0-16 scaled to 0-255) and their labels."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    gray = np.clip(digits.images * 16, 0, 255).astype(np.uint8)
+    return np.repeat(gray[..., None], 3, axis=-1), digits.target.astype(np.int64)

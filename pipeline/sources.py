@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pipeline.recipe import (
@@ -14,6 +15,7 @@ from pipeline.recipe import (
     LoadedRecipe,
     RecipeError,
     TorchvisionSource,
+    TrainDigitsSource,
 )
 
 
@@ -41,7 +43,7 @@ def loader(kind: type) -> Callable[[Loader], Loader]:
 def load_source(loaded: LoadedRecipe) -> SourceModel:
     source = LOADERS[type(loaded.recipe.source)](loaded)
     source.module.eval()
-    if loaded.recipe.task == "image-classification":
+    if loaded.recipe.task == "image-classification" and source.class_names is None:
         source.class_names = load_class_names(loaded, getattr(loaded.recipe.source, "num_classes", None))
     return source
 
@@ -109,3 +111,18 @@ def _huggingface(loaded: LoadedRecipe) -> SourceModel:
     # Eager attention exports to plain MatMul/Softmax that ORT's transformer optimizer can fuse.
     module = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager", local_files_only=True)
     return SourceModel(module=module, model_dir=model_dir)
+
+
+@loader(TrainDigitsSource)
+def _train_digits(loaded: LoadedRecipe) -> SourceModel:
+    """Train the teacher here, on the training part of the same split evaluation holds out."""
+    from pipeline.datasets import digits_split
+    from pipeline.export import ImageClassifierGraph
+    from pipeline.students import SmallResNet, train_classifier
+
+    source = loaded.recipe.source
+    model = SmallResNet(num_classes=10, channels=source.channels, blocks=source.blocks)
+    normalize = ImageClassifierGraph(model, loaded.recipe.image).normalize
+    training = digits_split("training")
+    train_classifier(model, normalize, np.stack(training.rows), training.labels, epochs=source.epochs)
+    return SourceModel(module=model, class_names=[str(digit) for digit in range(10)])

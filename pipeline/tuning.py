@@ -64,6 +64,8 @@ def tune(
     budget: Budget,
 ) -> Candidate:
     candidate = Candidate(variant=kind.name, precision=kind.precision)
+    if kind.requires and kind.requires not in inputs.built:
+        return candidate.model_copy(update={"reason": f"not built: needs an accepted {kind.requires} variant"})
     for index, config in enumerate(kind.configs(inputs)):
         out = inputs.workdir / f"{kind.name}-{index}.onnx"
         started = time.monotonic()

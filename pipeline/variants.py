@@ -7,14 +7,17 @@ recipe's budget, so a kind only has to know how to make a graph, not whether it 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
 from pipeline.datasets import Split
+from pipeline.export import ServingGraph
+from pipeline.recipe import Student
 from serving.model_spec import Task
 
 Feeds = Callable[[list], dict]
@@ -33,6 +36,10 @@ class VariantInputs:
     feeds: Feeds
     num_heads: int = 0
     hidden_size: int = 0
+    graph: ServingGraph | None = None  # the PyTorch serving graph, for torch-side variants
+    opset: int = 17
+    training: Split | None = None  # distillation data (labelled for classifiers)
+    student: Student = field(default_factory=Student)
     built: dict[str, Path] = field(default_factory=dict)  # kind → accepted graph, for stacking
 
     @property
@@ -51,14 +58,17 @@ class VariantKind:
     configs: Callable[[VariantInputs], list[dict[str, Any]]]
     build: Callable[[VariantInputs, dict[str, Any], Path], None]
     doc: str
+    requires: str | None = None  # a kind whose accepted graph this one builds on
 
 
 KINDS: dict[str, VariantKind] = {}
 
 
-def kind(name: str, precision: str, configs: Callable[[VariantInputs], list[dict[str, Any]]]):
+def kind(
+    name: str, precision: str, configs: Callable[[VariantInputs], list[dict[str, Any]]], requires: str | None = None
+):
     def register(build: Callable[[VariantInputs, dict[str, Any], Path], None]):
-        KINDS[name] = VariantKind(name, precision, configs, build, (build.__doc__ or "").strip())
+        KINDS[name] = VariantKind(name, precision, configs, build, (build.__doc__ or "").strip(), requires)
         return build
 
     return register
@@ -182,3 +192,58 @@ def _fp16(inputs: VariantInputs, config: dict, out: Path) -> None:
 
     model = onnx.load(str(inputs.base()))
     onnx.save(convert_float_to_float16(model, keep_io_types=True), str(out))
+
+
+@kind("student", "fp32", lambda inputs: [inputs.student.model_dump()])
+def _student(inputs: VariantInputs, config: dict, out: Path) -> None:
+    """A distilled student: a small CNN for classifiers (soft teacher targets plus labels), an
+    evenly spread subset of the teacher's layers for text encoders (embedding MSE)."""
+    import torch
+
+    from pipeline.export import SentenceEmbeddingGraph, export_onnx
+    from pipeline.students import SmallCNN, distill_classifier, distill_embeddings, layer_subset_student
+
+    if inputs.graph is None or inputs.training is None or not len(inputs.training):
+        raise ValueError("student needs the PyTorch teacher and a training set")
+    settings = Student.model_validate(config)
+    teacher = inputs.graph.module
+    if inputs.is_transformer:
+        student = SentenceEmbeddingGraph(layer_subset_student(teacher.model, settings.layers))
+        rows = inputs.training.rows
+        batches = [inputs.feeds(rows[i : i + 32]) for i in range(0, len(rows), 32)]
+        distill_embeddings(teacher, student, batches, epochs=settings.epochs)
+    else:
+        if inputs.training.labels is None:
+            raise ValueError("a classifier student needs labelled training data (e.g. source kind train-digits)")
+        with torch.inference_mode():
+            num_classes = teacher(torch.from_numpy(np.stack(inputs.training.rows[:1]))).shape[-1]
+        student = teacher.with_model(SmallCNN(num_classes, settings.channels))
+        distill_classifier(
+            teacher.model,
+            student.model,
+            teacher.normalize,
+            np.stack(inputs.training.rows),
+            inputs.training.labels,
+            epochs=settings.epochs,
+            temperature=settings.temperature,
+            alpha=settings.alpha,
+        )
+        student.eval()
+    export_onnx(replace(inputs.graph, module=student), out, opset=inputs.opset)
+
+
+def _student_int8_configs(inputs: VariantInputs) -> list[dict]:
+    if inputs.is_transformer:
+        return [{"per_channel": True}]
+    return [c for c in _static_configs(inputs) if c["ops"] == "all"]
+
+
+@kind("student-int8", "int8", _student_int8_configs, requires="student")
+def _student_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
+    """The accepted student, quantized: dynamic INT8 for text, calibrated static QDQ for CNNs."""
+    stacked = replace(inputs, fp32=inputs.built["student"], built={})
+    (_int8_dynamic if inputs.is_transformer else _int8_static)(stacked, config, out)
+
+
+# Kinds defined in their own modules register themselves on import.
+from pipeline import inc_quant  # noqa: E402,F401

@@ -1,0 +1,349 @@
+"""Static INT8 on the torch side: neural-compressor's PT2E quantization, tuned by its own `autotune`,
+exported to a QDQ ONNX graph by the dynamo exporter so that it competes with the ORT variants.
+
+The flow: the serving graph (pre- and post-processing included) is captured with
+`neural_compressor.torch.export.export` (torch.export with dynamic batch and sequence axes);
+`autotune` tries the configurations of one optiserve trial in order, each calibrated on the
+recipe's calibration rows, and keeps the first whose outputs agree with the FP32 module on those
+rows within its tolerance (else its best); the quantized module goes through
+`torch.onnx.export(..., dynamo=True)`. The exporter leaves weights as float → QuantizeLinear →
+DequantizeLinear → Transpose; folding them into int8 initializers that feed DequantizeLinear
+directly is what lets ONNX Runtime pick its integer kernels. The optiserve tuner still makes the
+final call on held-out data; what autotune tried is written into the trial's config.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from pipeline.variants import VariantInputs, kind
+
+logger = logging.getLogger(__name__)
+
+INC_KIND = "inc-int8"
+CALIBRATION_BATCH = 16
+DYNAMO_MIN_OPSET = 18  # the dynamo exporter's own opset; converting down fails on QDQ graphs
+QUANTIZABLE = (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv1d.default)
+
+
+def _configs(inputs: VariantInputs) -> list[dict[str, Any]]:
+    """Fastest first: every linear/conv in int8, then the first and last of them kept in float.
+
+    Within each, autotune tries min-max calibration before KL (histogram) calibration. Activations
+    are asymmetric uint8 per tensor and weights symmetric int8 per channel: the x86 fast path.
+    """
+    tolerance = 0.01
+    return [
+        {"layers": "all", "act_algos": ["minmax", "kl"], "tolerable_loss": tolerance},
+        {"layers": "all-but-ends", "act_algos": ["minmax", "kl"], "tolerable_loss": tolerance},
+    ]
+
+
+@kind(INC_KIND, "int8", _configs)
+def _inc_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
+    """neural-compressor PT2E static INT8 (autotuned on calibration data), exported as QDQ ONNX by the
+    dynamo exporter."""
+    graph = inputs.graph
+    if graph is None:
+        raise ValueError(f"{INC_KIND} needs the PyTorch serving graph and none was given")
+    if not len(inputs.calibration):
+        raise ValueError(f"{INC_KIND} needs calibration data and the calibration set is empty")
+    batches = [
+        _tensors(inputs, inputs.calibration.rows[i : i + CALIBRATION_BATCH])
+        for i in range(0, len(inputs.calibration), CALIBRATION_BATCH)
+    ]
+    dynamic = _dynamic_shapes(graph.dynamic_axes, graph.input_names)
+    exported = _capture(graph.module, graph.example_inputs, dynamic)
+    quantized, tuning = _autotune(exported, config, batches, _agreement(inputs.task, graph.module, batches))
+    config["inc"] = tuning  # what autotune tried: the optiserve trial records it
+    _export_onnx(quantized, graph, dynamic, out, opset=max(inputs.opset, DYNAMO_MIN_OPSET))
+
+
+def _tensors(inputs: VariantInputs, rows: list) -> tuple[torch.Tensor, ...]:
+    """Rows through the same feed builder the ONNX graphs get, as torch tensors in input order."""
+    feeds = inputs.feeds(rows)
+    return tuple(torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in inputs.graph.input_names)
+
+
+def _dynamic_shapes(dynamic_axes: dict[str, dict[int, str]], input_names: list[str]) -> tuple[dict, ...]:
+    """The FP32 export's dynamic input axes for torch.export. `Dim.DYNAMIC` lets torch.export infer the
+    range (a BERT's sequence stops at its position table) and the equalities between inputs; the axis
+    names are put back on the ONNX graph afterwards (`_name_dynamic_axes`)."""
+    return tuple({axis: torch.export.Dim.DYNAMIC for axis in dynamic_axes.get(name, {})} for name in input_names)
+
+
+def _capture(module: torch.nn.Module, example_inputs: tuple, dynamic: tuple) -> torch.fx.GraphModule:
+    """PT2E capture; unused branches (BERT's pooler under mean pooling) are dropped, since the x86
+    quantizer cannot annotate an operator whose output nobody reads."""
+    from neural_compressor.torch.export import export
+
+    module = copy.deepcopy(module).eval()  # the serving graph stays untouched for the other variants
+    try:
+        with _quiet():
+            exported = export(module, example_inputs, dynamic_shapes=dynamic)
+    except Exception as exc:
+        raise RuntimeError(f"{INC_KIND}: PT2E export (torch.export) of the serving graph failed: {exc}") from exc
+    exported.graph.eliminate_dead_code()
+    exported.recompile()
+    return exported
+
+
+Score = Callable[[torch.nn.Module], float]
+
+
+def _agreement(task: str, reference: torch.nn.Module, batches: list[tuple]) -> Score:
+    """How closely a module reproduces the FP32 serving graph on the calibration rows (1.0 = exactly):
+    mean cosine for embeddings, top-1 agreement for classifiers."""
+    with torch.no_grad():
+        expected = [reference(*batch) for batch in batches]
+
+    def score(module: torch.nn.Module) -> float:
+        with torch.no_grad():
+            got = [module(*batch) for batch in batches]
+        if task == "image-classification":
+            same = [(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(expected, got, strict=True)]
+            return float(torch.cat(same).mean())
+        cosine = [torch.nn.functional.cosine_similarity(a, b, dim=-1) for a, b in zip(expected, got, strict=True)]
+        return float(torch.cat(cosine).mean())
+
+    return score
+
+
+def _layer_names(exported: torch.fx.GraphModule) -> list[str]:
+    """Module names of the quantizable layers (linear, conv) in execution order."""
+    names = []
+    for node in exported.graph.nodes:
+        stack = node.meta.get("nn_module_stack") if node.target in QUANTIZABLE else None
+        if stack:
+            name = list(stack.values())[-1][0]
+            names.append(name.removeprefix("L['self']."))
+    return names
+
+
+def _inc_configs(exported: torch.fx.GraphModule, config: dict) -> list:
+    from neural_compressor.torch.quantization import StaticQuantConfig
+
+    keep_float: list[str] = []
+    if config["layers"] == "all-but-ends":
+        names = _layer_names(exported)
+        keep_float = sorted(set(names[:1] + names[-1:]))
+    elif config["layers"] != "all":
+        raise ValueError(f"{INC_KIND}: unknown layer selection {config['layers']!r}")
+    configs = []
+    for algo in config["act_algos"]:
+        quant = StaticQuantConfig(
+            w_dtype="int8", w_sym=True, w_granularity="per_channel", act_dtype="uint8", act_sym=False, act_algo=algo
+        )
+        for name in keep_float:
+            quant.set_local(name, StaticQuantConfig(w_dtype="fp32", act_dtype="fp32"))
+        configs.append(quant)
+    return configs
+
+
+def _describe(quant_config) -> dict:
+    """A plain-data summary of one neural-compressor config, for the trial record."""
+    local = sorted(getattr(quant_config, "local_config", {}) or {})
+    return {"act_algo": quant_config.act_algo, "act_dtype": quant_config.act_dtype, "float_layers": local}
+
+
+def _autotune(exported: torch.fx.GraphModule, config: dict, batches: list[tuple], score: Score):
+    """neural-compressor's autotune over this trial's configurations; returns the model it chose
+    and a record of every configuration it tried with its agreement score."""
+    from neural_compressor.torch.quantization import TuningConfig, autotune
+
+    configs = _inc_configs(exported, config)
+    tried: list[dict] = []
+
+    def eval_fn(model: torch.nn.Module) -> float:
+        value = score(model)
+        qconfig = getattr(model, "qconfig", None)
+        if isinstance(qconfig, dict) and qconfig:
+            tried.append({**_describe(next(iter(qconfig.values()))), "agreement": round(value, 6)})
+        return value
+
+    def run_fn(model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for batch in batches:
+                model(*batch)
+
+    tuning = TuningConfig(config_set=configs, tolerable_loss=config["tolerable_loss"], max_trials=len(configs))
+    try:
+        with _quiet():
+            quantized = autotune(exported, tuning, eval_fn=eval_fn, run_fn=run_fn, example_inputs=batches[0])
+    except Exception as exc:
+        raise RuntimeError(f"{INC_KIND}: neural-compressor PT2E quantization failed: {exc}") from exc
+    if quantized is None:
+        raise RuntimeError(f"{INC_KIND}: autotune returned no model (tried {tried})")
+    chosen = _describe(next(iter(quantized.qconfig.values())))
+    best = max(tried, key=lambda t: t["agreement"])
+    return quantized, {
+        "tried": tried,
+        "chosen": chosen,
+        "calibration_agreement": best["agreement"],
+        "met_tolerance": best["agreement"] >= 1 - config["tolerable_loss"],
+    }
+
+
+def _export_onnx(quantized: torch.nn.Module, graph, dynamic: tuple, out: Path, *, opset: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="inc-onnx-") as scratch:
+        raw = Path(scratch) / "quantized.onnx"
+        try:
+            with _quiet():
+                torch.onnx.export(
+                    quantized,
+                    graph.example_inputs,
+                    str(raw),
+                    input_names=graph.input_names,
+                    output_names=graph.output_names,
+                    dynamic_shapes=dynamic,
+                    opset_version=opset,
+                    dynamo=True,
+                    verbose=False,
+                )
+        except Exception as exc:
+            raise RuntimeError(f"{INC_KIND}: dynamo ONNX export of the quantized model failed: {exc}") from exc
+        model = onnx.load(str(raw))  # pulls the exporter's external weights file in
+    fold_weight_quantization(model)
+    _name_dynamic_axes(model, graph.dynamic_axes)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(out))
+
+
+def _name_dynamic_axes(model: onnx.ModelProto, dynamic_axes: dict[str, dict[int, str]]) -> None:
+    """Give the exporter's symbols ("s43") the FP32 graph's axis names ("batch") everywhere they occur."""
+    graph = model.graph
+    renames: dict[str, str] = {}
+    for value in [*graph.input, *graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        for axis, label in dynamic_axes.get(value.name, {}).items():
+            if dims[axis].dim_param:
+                renames.setdefault(dims[axis].dim_param, label)
+            dims[axis].dim_param = label
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in renames:
+                dim.dim_param = renames[dim.dim_param]
+
+
+# --- ONNX clean-up -----------------------------------------------------------------------------
+
+_RANGES = {
+    onnx.TensorProto.INT8: (-128, 127, np.int8),
+    onnx.TensorProto.UINT8: (0, 255, np.uint8),
+}
+
+
+def _per_axis(value: np.ndarray, axis: int, rank: int) -> np.ndarray:
+    """Broadcast a 1-D per-channel parameter along `axis` of a rank-`rank` tensor."""
+    if value.size <= 1:
+        return value.reshape(())
+    shape = [1] * rank
+    shape[axis] = value.size
+    return value.reshape(shape)
+
+
+def fold_weight_quantization(model: onnx.ModelProto) -> None:
+    """Rewrite float weight → QuantizeLinear [→ Clip] → DequantizeLinear [→ Transpose] as int8 weight →
+    DequantizeLinear, in place: the file shrinks to int8 weights and ORT sees the QDQ pattern it fuses."""
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+
+    def constant(name: str) -> np.ndarray | None:
+        return numpy_helper.to_array(inits[name]) if name in inits else None
+
+    def attribute(node: onnx.NodeProto, name: str, default: Any) -> Any:
+        found = [a for a in node.attribute if a.name == name]
+        return onnx.helper.get_attribute_value(found[0]) if found else default
+
+    def add_constant(name: str, value: np.ndarray) -> None:
+        tensor = numpy_helper.from_array(value, name)
+        if name in inits:
+            inits[name].CopyFrom(tensor)
+        else:
+            graph.initializer.append(tensor)
+            inits[name] = graph.initializer[-1]
+
+    removed: set[int] = set()
+    for index, node in enumerate(graph.node):
+        if node.op_type == "QuantizeLinear" and len(node.input) == 3:
+            x, scale, zero = (constant(name) for name in node.input)
+            if x is None or scale is None or zero is None or inits[node.input[2]].data_type not in _RANGES:
+                continue
+            low, high, dtype = _RANGES[inits[node.input[2]].data_type]
+            axis = attribute(node, "axis", 1) % x.ndim
+            quantized = np.rint(x / _per_axis(scale, axis, x.ndim)) + _per_axis(zero, axis, x.ndim).astype(np.int32)
+            add_constant(node.output[0], np.clip(quantized, low, high).astype(dtype))
+            removed.add(index)
+        elif node.op_type == "Clip" and node.input and node.input[0] in inits:
+            bounds = [constant(name) if name else None for name in node.input[1:]]
+            if any(name and b is None for name, b in zip(node.input[1:], bounds, strict=False)):
+                continue
+            value = constant(node.input[0])
+            low = bounds[0] if bounds and bounds[0] is not None else None
+            high = bounds[1] if len(bounds) > 1 and bounds[1] is not None else None
+            add_constant(node.output[0], np.clip(value, low, high).astype(value.dtype))
+            removed.add(index)
+
+    consumers: dict[str, list[int]] = {}
+    for index, node in enumerate(graph.node):
+        if index not in removed:
+            for name in node.input:
+                consumers.setdefault(name, []).append(index)
+    for index, node in enumerate(graph.node):
+        if index in removed or node.op_type != "DequantizeLinear" or node.input[0] not in inits:
+            continue
+        users = consumers.get(node.output[0], [])
+        if len(users) != 1 or len(consumers.get(node.input[0], [])) != 1:
+            continue
+        transpose = graph.node[users[0]]
+        if transpose.op_type != "Transpose" or any(o.name == node.output[0] for o in graph.output):
+            continue
+        weight = constant(node.input[0])
+        perm = list(attribute(transpose, "perm", list(reversed(range(weight.ndim)))))
+        add_constant(node.input[0], np.ascontiguousarray(weight.transpose(perm)))
+        scale = constant(node.input[1])
+        if scale is not None and scale.size > 1:
+            axis = attribute(node, "axis", 1) % weight.ndim
+            node.attribute.remove(next(a for a in node.attribute if a.name == "axis"))
+            node.attribute.append(onnx.helper.make_attribute("axis", perm.index(axis)))
+        node.output[0] = transpose.output[0]
+        removed.add(users[0])
+
+    kept = [node for index, node in enumerate(graph.node) if index not in removed]
+    del graph.node[:]
+    graph.node.extend(kept)
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    unused = [init for init in graph.initializer if init.name not in used]
+    for init in unused:
+        graph.initializer.remove(init)
+
+
+class _quiet:
+    """neural-compressor and the exporters log every step at INFO and warn about tracing details; the
+    trial record carries what matters."""
+
+    def __enter__(self) -> None:
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        self._levels = {}
+        for name in ("neural_compressor", "torch.onnx", "torch.export", "torch._export", "onnxscript"):
+            log = logging.getLogger(name)
+            self._levels[name] = log.level
+            log.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        for name, level in self._levels.items():
+            logging.getLogger(name).setLevel(level)
+        self._warnings.__exit__(*exc)

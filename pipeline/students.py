@@ -1,0 +1,171 @@
+"""Distillation: small students trained to imitate a teacher, and the digits teacher itself.
+
+Classifier students learn from temperature-softened teacher probabilities plus the hard labels;
+text students keep an evenly spread subset of the teacher's layers and learn its embeddings (MSE).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+class SmallResNet(nn.Module):
+    """The digits teacher: a stem and residual blocks at full resolution, global pooling, a head."""
+
+    def __init__(self, num_classes: int, channels: int = 64, blocks: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        self.blocks = nn.Sequential(*(ResidualBlock(channels) for _ in range(blocks)))
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+class SmallCNN(nn.Module):
+    """A classifier student: three narrow convolutions, one downsampling, global pooling."""
+
+    def __init__(self, num_classes: int, channels: int = 16) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(2 * channels, 2 * channels, 3, padding=1),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(2 * channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def _batches(count: int, batch_size: int, generator: torch.Generator):
+    order = torch.randperm(count, generator=generator)
+    return [order[i : i + batch_size] for i in range(0, count, batch_size)]
+
+
+def train_classifier(
+    model: nn.Module,
+    normalize: Callable[[torch.Tensor], torch.Tensor],
+    images: np.ndarray,
+    labels: np.ndarray,
+    *,
+    epochs: int,
+    seed: int = 0,
+) -> nn.Module:
+    """Supervised training on uint8 NHWC images, through the same normalization as the graph."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    inputs, targets = normalize(torch.from_numpy(images)), torch.from_numpy(labels).long()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * -(-len(inputs) // 64))
+    model.train()
+    for _ in range(epochs):
+        for index in _batches(len(inputs), 64, generator):
+            loss = nn.functional.cross_entropy(model(inputs[index]), targets[index])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    return model.eval()
+
+
+def distill_classifier(
+    teacher: nn.Module,
+    student: nn.Module,
+    normalize: Callable[[torch.Tensor], torch.Tensor],
+    images: np.ndarray,
+    labels: np.ndarray,
+    *,
+    epochs: int,
+    temperature: float = 4.0,
+    alpha: float = 0.7,
+    seed: int = 0,
+) -> nn.Module:
+    """Hinton-style distillation: alpha·T²·KL(student_T ‖ teacher_T) + (1 − alpha)·CE(labels)."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    inputs, targets = normalize(torch.from_numpy(images)), torch.from_numpy(labels).long()
+    with torch.inference_mode():
+        soft_targets = torch.softmax(teacher.eval()(inputs) / temperature, dim=-1)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=3e-3, weight_decay=1e-4)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * -(-len(inputs) // 64))
+    student.train()
+    for _ in range(epochs):
+        for index in _batches(len(inputs), 64, generator):
+            logits = student(inputs[index])
+            soft = nn.functional.kl_div(
+                torch.log_softmax(logits / temperature, dim=-1), soft_targets[index], reduction="batchmean"
+            )
+            hard = nn.functional.cross_entropy(logits, targets[index])
+            loss = alpha * temperature**2 * soft + (1 - alpha) * hard
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    return student.eval()
+
+
+def evenly_spread(total: int, keep: int) -> list[int]:
+    """Layer indices from first to last, evenly spaced: [0, 2, 5] of 6 rather than [0, 1, 2]."""
+    return sorted({round(i * (total - 1) / (keep - 1)) for i in range(keep)}) if keep > 1 else [total - 1]
+
+
+def layer_subset_student(teacher: nn.Module, keep: int) -> nn.Module:
+    """A copy of a BERT-style encoder that keeps `keep` evenly spread layers, weights included."""
+    student = copy.deepcopy(teacher)
+    layers = student.encoder.layer
+    kept = evenly_spread(len(layers), keep)
+    student.encoder.layer = nn.ModuleList(layers[i] for i in kept)
+    student.config.num_hidden_layers = len(kept)
+    logger.info("student keeps teacher layers %s", kept)
+    return student
+
+
+def distill_embeddings(
+    teacher_graph: nn.Module,
+    student_graph: nn.Module,
+    batches: list[dict[str, np.ndarray]],
+    *,
+    epochs: int,
+    seed: int = 0,
+) -> nn.Module:
+    """Match the teacher's sentence embeddings (MSE on the normalized vectors)."""
+    torch.manual_seed(seed)
+    tensors = [{k: torch.from_numpy(v) for k, v in feeds.items()} for feeds in batches]
+    with torch.inference_mode():
+        targets = [teacher_graph.eval()(f["input_ids"], f["attention_mask"]).clone() for f in tensors]
+    optimizer = torch.optim.AdamW(student_graph.parameters(), lr=5e-5)
+    student_graph.train()
+    for _ in range(epochs):
+        for feeds, target in zip(tensors, targets, strict=True):
+            loss = nn.functional.mse_loss(student_graph(feeds["input_ids"], feeds["attention_mask"]), target)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return student_graph.eval()
