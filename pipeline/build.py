@@ -184,98 +184,129 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
         )
         step("checking ONNX against PyTorch")
         check = check_export(recipe, graph, fp32_path, data.check_batches)
-        predict = _predictor(data, settings)
-        reference = predict(fp32_path)
-        labels = data.evaluation.labels
-        baseline = evaluate(recipe.task, reference, reference, labels)
-        fp32 = Candidate(
-            variant="fp32",
-            precision="fp32",
-            path=fp32_path,
-            size_mb=fp32_path.stat().st_size / 1e6,
-            metrics=baseline,
-            drops={k: 0.0 for k in baseline},
-            accepted=True,
-            reason="reference",
-        )
-        candidates = [fp32]
+        config = getattr(source.module, "config", None)
         inputs = VariantInputs(
             task=recipe.task,
             fp32=fp32_path,
             workdir=workdir,
             calibration=data.calibration,
             feeds=data.feeds,
-            num_heads=getattr(getattr(source.module, "config", None), "num_attention_heads", 0),
-            hidden_size=getattr(getattr(source.module, "config", None), "hidden_size", 0),
+            num_heads=getattr(config, "num_attention_heads", 0),
+            hidden_size=getattr(config, "hidden_size", 0),
             graph=graph,
             opset=recipe.export.opset,
             training=data.training,
             student=recipe.student,
         )
-        for name in recipe.variants:
-            step(f"variant {name}")
-            candidate = tune(
-                KINDS[name],
-                inputs,
-                predict=predict,
-                reference=reference,
-                baseline=baseline,
-                labels=labels,
-                budget=recipe.budget,
-            )
-            if candidate.accepted:
-                inputs.built[name] = candidate.path
-            candidates.append(candidate)
+        candidates = tune_variants(recipe, inputs, data, settings, step)
         step("profiling (interleaved): " + ", ".join(c.variant for c in candidates if c.accepted) + ", PyTorch eager")
-        runners = {c.variant: onnx_runner(c.path, data.synthetic_feeds, settings) for c in candidates if c.accepted}
-        runners[EAGER] = _eager_runner(graph, data)
-        profiles = profile(
-            runners,
-            recipe.profiling.max_batch_size,
-            slo_ms=slo_ms,
-            seconds_per_point=recipe.profiling.seconds_per_point,
-        )
-        eager = profiles.pop(EAGER)
-        for candidate in candidates:
-            candidate.profile = profiles.get(candidate.variant, [])
-        candidates = [_fp16_on_cpu_only(c, fp32) for c in candidates]
+        eager = profile_candidates(candidates, graph, data, recipe, settings, slo_ms)
+        candidates = [_fp16_on_cpu_only(c, candidates[0]) for c in candidates]
         chosen = select(candidates, slo_ms)
         batching = choose_batching(chosen.profile, slo_ms=slo_ms)
         step("registering in the model store")
-        summary = [c.model_dump(mode="json", exclude={"path"}) for c in candidates]
-        stored = {}
-        for candidate in candidates:
-            if not candidate.accepted:
-                continue
-            stored[candidate.variant] = register(
-                recipe.name,
-                {ONNX_FILE: candidate.path, **data.files},
-                labels={
-                    "task": recipe.task,
-                    "variant": candidate.variant,
-                    "precision": candidate.precision,
-                    "runtime": "onnxruntime",
-                    "recipe": recipe.name,
-                },
-                metadata=_clean(
-                    {
-                        RECIPE_HASH: content_hash,
-                        SPEC_KEY: data.spec.model_dump(mode="json", exclude_none=True),
-                        "source": recipe.source.model_dump(mode="json"),
-                        "export_check": check.as_metadata(),
-                        "opset": recipe.export.opset,
-                        "versions": {"torch": str(torch.__version__), "onnx": onnx.__version__},
-                        "variant_config": candidate.config,
-                        "evaluation": {"metrics": candidate.metrics, "drops": candidate.drops},
-                        "profile": [p.model_dump() for p in candidate.profile],
-                        "selected": candidate is chosen,
-                        "batching": batching.model_dump() if candidate is chosen else {},
-                        "candidates": summary if candidate is chosen else [],
-                        "eager_profile": [p.model_dump() for p in eager] if candidate is chosen else [],
-                    }
-                ),
+        common = {
+            RECIPE_HASH: content_hash,
+            SPEC_KEY: data.spec.model_dump(mode="json", exclude_none=True),
+            "source": recipe.source.model_dump(mode="json"),
+            "export_check": check.as_metadata(),
+            "opset": recipe.export.opset,
+            "versions": {"torch": str(torch.__version__), "onnx": onnx.__version__},
+        }
+        selection = {
+            "batching": batching.model_dump(),
+            "candidates": [c.model_dump(mode="json", exclude={"path"}) for c in candidates],
+            "eager_profile": [p.model_dump() for p in eager],
+        }
+        stored = {
+            c.variant: register_candidate(
+                recipe, c, data.files, {**common, **(selection if c is chosen else {})}, c is chosen
             )
+            for c in candidates
+            if c.accepted
+        }
     return BuildResult(stored[chosen.variant], batching, candidates, eager, reused=False)
+
+
+def tune_variants(
+    recipe: Recipe, inputs: VariantInputs, data: TaskData, settings: EngineSettings, step: Step
+) -> list[Candidate]:
+    """FP32 as the reference, then each requested kind tuned against the budget, in recipe order."""
+    predict = _predictor(data, settings)
+    reference = predict(inputs.fp32)
+    labels = data.evaluation.labels
+    baseline = evaluate(recipe.task, reference, reference, labels)
+    candidates = [
+        Candidate(
+            variant="fp32",
+            precision="fp32",
+            path=inputs.fp32,
+            size_mb=inputs.fp32.stat().st_size / 1e6,
+            metrics=baseline,
+            drops={k: 0.0 for k in baseline},
+            accepted=True,
+            reason="reference",
+        )
+    ]
+    for name in recipe.variants:
+        step(f"variant {name}")
+        candidate = tune(
+            KINDS[name],
+            inputs,
+            predict=predict,
+            reference=reference,
+            baseline=baseline,
+            labels=labels,
+            budget=recipe.budget,
+        )
+        if candidate.accepted:
+            inputs.built[name] = candidate.path
+        candidates.append(candidate)
+    return candidates
+
+
+def profile_candidates(
+    candidates: list[Candidate],
+    graph: ServingGraph,
+    data: TaskData,
+    recipe: Recipe,
+    settings: EngineSettings,
+    slo_ms: float,
+) -> list[ProfilePoint]:
+    """Profile every accepted candidate and PyTorch eager together; returns the eager profile."""
+    runners = {c.variant: onnx_runner(c.path, data.synthetic_feeds, settings) for c in candidates if c.accepted}
+    runners[EAGER] = _eager_runner(graph, data)
+    profiles = profile(
+        runners, recipe.profiling.max_batch_size, slo_ms=slo_ms, seconds_per_point=recipe.profiling.seconds_per_point
+    )
+    for candidate in candidates:
+        candidate.profile = profiles.get(candidate.variant, [])
+    return profiles[EAGER]
+
+
+def register_candidate(
+    recipe: Recipe, candidate: Candidate, files: dict[str, Path], metadata: dict, selected: bool
+) -> bentoml.Model:
+    return register(
+        recipe.name,
+        {ONNX_FILE: candidate.path, **files},
+        labels={
+            "task": recipe.task,
+            "variant": candidate.variant,
+            "precision": candidate.precision,
+            "runtime": "onnxruntime",
+            "recipe": recipe.name,
+        },
+        metadata=_clean(
+            {
+                **metadata,
+                "variant_config": candidate.config,
+                "evaluation": {"metrics": candidate.metrics, "drops": candidate.drops},
+                "profile": [p.model_dump() for p in candidate.profile],
+                "selected": selected,
+            }
+        ),
+    )
 
 
 def _clean(value):

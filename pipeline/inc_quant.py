@@ -27,6 +27,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from pipeline.export import ServingGraph
 from pipeline.variants import VariantInputs, kind
 
 logger = logging.getLogger(__name__)
@@ -42,11 +43,12 @@ def _configs(inputs: VariantInputs) -> list[dict[str, Any]]:
 
     Within each, autotune tries min-max calibration before KL (histogram) calibration. Activations
     are asymmetric uint8 per tensor and weights symmetric int8 per channel: the x86 fast path.
+    `autotune` starts empty and the build fills it in place with what neural-compressor tried; the
+    tuner's trial record holds the same dict, so the record shows it.
     """
-    tolerance = 0.01
     return [
-        {"layers": "all", "act_algos": ["minmax", "kl"], "tolerable_loss": tolerance},
-        {"layers": "all-but-ends", "act_algos": ["minmax", "kl"], "tolerable_loss": tolerance},
+        {"layers": layers, "act_algos": ["minmax", "kl"], "tolerable_loss": 0.01, "autotune": {}}
+        for layers in ("all", "all-but-ends")
     ]
 
 
@@ -65,8 +67,8 @@ def _inc_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
     ]
     dynamic = _dynamic_shapes(graph.dynamic_axes, graph.input_names)
     exported = _capture(graph.module, graph.example_inputs, dynamic)
-    quantized, tuning = _autotune(exported, config, batches, _agreement(inputs.task, graph.module, batches))
-    config["inc"] = tuning  # what autotune tried: the optiserve trial records it
+    quantized, tuning = _autotune(exported, config, batches, _agreement(graph.module, batches))
+    config.setdefault("autotune", {}).update(tuning)  # what autotune tried, for the trial record
     _export_onnx(quantized, graph, dynamic, out, opset=max(inputs.opset, DYNAMO_MIN_OPSET))
 
 
@@ -89,11 +91,11 @@ def _capture(module: torch.nn.Module, example_inputs: tuple, dynamic: tuple) -> 
     from neural_compressor.torch.export import export
 
     module = copy.deepcopy(module).eval()  # the serving graph stays untouched for the other variants
-    try:
-        with _quiet():
+    with _quiet() as log:
+        try:
             exported = export(module, example_inputs, dynamic_shapes=dynamic)
-    except Exception as exc:
-        raise RuntimeError(f"{INC_KIND}: PT2E export (torch.export) of the serving graph failed: {exc}") from exc
+        except Exception as exc:
+            raise RuntimeError(f"{INC_KIND}: PT2E export (torch.export) failed: {log.reason(exc)}") from exc
     exported.graph.eliminate_dead_code()
     exported.recompile()
     return exported
@@ -102,18 +104,16 @@ def _capture(module: torch.nn.Module, example_inputs: tuple, dynamic: tuple) -> 
 Score = Callable[[torch.nn.Module], float]
 
 
-def _agreement(task: str, reference: torch.nn.Module, batches: list[tuple]) -> Score:
-    """How closely a module reproduces the FP32 serving graph on the calibration rows (1.0 = exactly):
-    mean cosine for embeddings, top-1 agreement for classifiers."""
+def _agreement(reference: torch.nn.Module, batches: list[tuple]) -> Score:
+    """How closely a module reproduces the FP32 serving graph on the calibration rows: the mean cosine
+    of their outputs (embeddings, or class probabilities), 1.0 when identical. Continuous on purpose:
+    top-1 agreement on a few ambiguous photos flips with noise and cannot rank configurations."""
     with torch.no_grad():
         expected = [reference(*batch) for batch in batches]
 
     def score(module: torch.nn.Module) -> float:
         with torch.no_grad():
             got = [module(*batch) for batch in batches]
-        if task == "image-classification":
-            same = [(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(expected, got, strict=True)]
-            return float(torch.cat(same).mean())
         cosine = [torch.nn.functional.cosine_similarity(a, b, dim=-1) for a, b in zip(expected, got, strict=True)]
         return float(torch.cat(cosine).mean())
 
@@ -178,11 +178,11 @@ def _autotune(exported: torch.fx.GraphModule, config: dict, batches: list[tuple]
                 model(*batch)
 
     tuning = TuningConfig(config_set=configs, tolerable_loss=config["tolerable_loss"], max_trials=len(configs))
-    try:
-        with _quiet():
+    with _quiet() as log:
+        try:
             quantized = autotune(exported, tuning, eval_fn=eval_fn, run_fn=run_fn, example_inputs=batches[0])
-    except Exception as exc:
-        raise RuntimeError(f"{INC_KIND}: neural-compressor PT2E quantization failed: {exc}") from exc
+        except Exception as exc:
+            raise RuntimeError(f"{INC_KIND}: neural-compressor quantization failed: {log.reason(exc)}") from exc
     if quantized is None:
         raise RuntimeError(f"{INC_KIND}: autotune returned no model (tried {tried})")
     chosen = _describe(next(iter(quantized.qconfig.values())))
@@ -195,11 +195,12 @@ def _autotune(exported: torch.fx.GraphModule, config: dict, batches: list[tuple]
     }
 
 
-def _export_onnx(quantized: torch.nn.Module, graph, dynamic: tuple, out: Path, *, opset: int) -> None:
+def _export_onnx(quantized: torch.nn.Module, graph: ServingGraph, dynamic: tuple, out: Path, *, opset: int) -> None:
+    """Dynamo export with the FP32 graph's input and output names, then the clean-ups ORT needs."""
     with tempfile.TemporaryDirectory(prefix="inc-onnx-") as scratch:
         raw = Path(scratch) / "quantized.onnx"
-        try:
-            with _quiet():
+        with _quiet() as log:
+            try:
                 torch.onnx.export(
                     quantized,
                     graph.example_inputs,
@@ -211,10 +212,12 @@ def _export_onnx(quantized: torch.nn.Module, graph, dynamic: tuple, out: Path, *
                     dynamo=True,
                     verbose=False,
                 )
-        except Exception as exc:
-            raise RuntimeError(f"{INC_KIND}: dynamo ONNX export of the quantized model failed: {exc}") from exc
+            except Exception as exc:
+                reason = log.reason(exc)
+                raise RuntimeError(f"{INC_KIND}: dynamo ONNX export of the quantized model failed: {reason}") from exc
         model = onnx.load(str(raw))  # pulls the exporter's external weights file in
     fold_weight_quantization(model)
+    fold_pads_into_convs(model)
     _name_dynamic_axes(model, graph.dynamic_axes)
     onnx.checker.check_model(model)
     onnx.save(model, str(out))
@@ -323,27 +326,108 @@ def fold_weight_quantization(model: onnx.ModelProto) -> None:
     kept = [node for index, node in enumerate(graph.node) if index not in removed]
     del graph.node[:]
     graph.node.extend(kept)
+    _drop_unused_initializers(graph)
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    unused = [init for init in graph.initializer if init.name not in used]
-    for init in unused:
+    for init in [init for init in graph.initializer if init.name not in used]:
         graph.initializer.remove(init)
 
 
-class _quiet:
-    """neural-compressor and the exporters log every step at INFO and warn about tracing details; the
-    trial record carries what matters."""
+def fold_pads_into_convs(model: onnx.ModelProto) -> None:
+    """Rewrite zero Pad → QuantizeLinear → DequantizeLinear → Conv as Q → DQ → Conv with the padding in
+    the Conv, in place. Exact (zero quantizes to the zero point and back), and it lets ORT fuse the
+    convolution before the Pad with its output Q into a QLinearConv (same-padded depthwise convs)."""
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    graph_outputs = {o.name for o in graph.output}
 
-    def __enter__(self) -> None:
+    def only_consumer(name: str) -> onnx.NodeProto | None:
+        users = consumers.get(name, [])
+        return users[0] if len(users) == 1 and name not in graph_outputs else None
+
+    def attribute(node: onnx.NodeProto, name: str, default: Any) -> Any:
+        found = [a for a in node.attribute if a.name == name]
+        return onnx.helper.get_attribute_value(found[0]) if found else default
+
+    folded: list[onnx.NodeProto] = []
+    unpadded: set[str] = set()
+    for conv in graph.node:
+        if conv.op_type != "Conv" or attribute(conv, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            continue
+        dq = producer.get(conv.input[0])
+        q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+        pad = producer.get(q.input[0]) if q is not None and q.op_type == "QuantizeLinear" else None
+        if pad is None or pad.op_type != "Pad" or only_consumer(dq.output[0]) is not conv:
+            continue
+        if only_consumer(q.output[0]) is not dq or only_consumer(pad.output[0]) is not q:
+            continue
+        if attribute(pad, "mode", b"constant") not in (b"constant", "constant") or len(pad.input) > 3:
+            continue
+        if pad.input[1] not in inits or (len(pad.input) > 2 and pad.input[2] and pad.input[2] not in inits):
+            continue
+        if len(pad.input) > 2 and pad.input[2] and numpy_helper.to_array(inits[pad.input[2]]).any():
+            continue
+        pads = numpy_helper.to_array(inits[pad.input[1]]).astype(int).tolist()
+        rank = len(pads) // 2
+        begins, ends = pads[:rank], pads[rank:]
+        if begins[:2] != [0, 0] or ends[:2] != [0, 0] or min(pads) < 0:
+            continue
+        current = list(attribute(conv, "pads", [0] * (2 * (rank - 2))))
+        spatial = rank - 2
+        merged = [current[i] + begins[2 + i] for i in range(spatial)] + [
+            current[spatial + i] + ends[2 + i] for i in range(spatial)
+        ]
+        for old in [a for a in conv.attribute if a.name == "pads"]:
+            conv.attribute.remove(old)
+        conv.attribute.append(onnx.helper.make_attribute("pads", merged))
+        q.input[0] = pad.input[0]
+        folded.append(pad)
+        unpadded |= {pad.output[0], q.output[0], dq.output[0]}
+    for value in [value for value in graph.value_info if value.name in unpadded]:
+        graph.value_info.remove(value)  # their recorded shapes still include the padding
+    for pad in folded:
+        graph.node.remove(pad)
+    _drop_unused_initializers(graph)
+
+
+class _quiet(logging.Handler):
+    """neural-compressor and the exporters log every step at INFO and warn about tracing details; the
+    trial record carries what matters. Errors they log (neural-compressor's export logs the reason
+    and raises a generic error) are kept, to be named in the exception."""
+
+    LOGGERS = ("neural_compressor", "torch.onnx", "torch.export", "torch._export", "onnxscript")
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.errors: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.errors.append(record.getMessage().strip().splitlines()[0][:500])
+
+    def reason(self, exc: Exception) -> str:
+        return "; ".join([*self.errors[-1:], str(exc).strip().splitlines()[0][:500]])
+
+    def __enter__(self) -> _quiet:
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         warnings.simplefilter("ignore")
         self._levels = {}
-        for name in ("neural_compressor", "torch.onnx", "torch.export", "torch._export", "onnxscript"):
+        for name in self.LOGGERS:
             log = logging.getLogger(name)
             self._levels[name] = log.level
             log.setLevel(logging.ERROR)
+            log.addHandler(self)
+        return self
 
     def __exit__(self, *exc: object) -> None:
         for name, level in self._levels.items():
             logging.getLogger(name).setLevel(level)
+            logging.getLogger(name).removeHandler(self)
         self._warnings.__exit__(*exc)

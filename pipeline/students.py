@@ -111,7 +111,7 @@ def distill_classifier(
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     inputs, targets = normalize(torch.from_numpy(images)), torch.from_numpy(labels).long()
-    with torch.inference_mode():
+    with torch.no_grad():
         soft_targets = torch.softmax(teacher.eval()(inputs) / temperature, dim=-1)
     optimizer = torch.optim.AdamW(student.parameters(), lr=3e-3, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * -(-len(inputs) // 64))
@@ -158,8 +158,8 @@ def distill_embeddings(
     """Match the teacher's sentence embeddings (MSE on the normalized vectors)."""
     torch.manual_seed(seed)
     tensors = [{k: torch.from_numpy(v) for k, v in feeds.items()} for feeds in batches]
-    with torch.inference_mode():
-        targets = [teacher_graph.eval()(f["input_ids"], f["attention_mask"]).clone() for f in tensors]
+    with torch.no_grad():  # targets take part in autograd's loss; inference tensors may not
+        targets = [teacher_graph.eval()(f["input_ids"], f["attention_mask"]) for f in tensors]
     optimizer = torch.optim.AdamW(student_graph.parameters(), lr=5e-5)
     student_graph.train()
     for _ in range(epochs):

@@ -1,0 +1,115 @@
+"""Distillation: the digits teacher is trained here, students learn from it, and every split that
+judges a model is disjoint from the data that trained or calibrated it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from pipeline.build import BuildResult, build
+from pipeline.datasets import digits_split, text_split
+from pipeline.export import SentenceEmbeddingGraph
+from pipeline.recipe import load_recipe
+from pipeline.students import distill_embeddings, evenly_spread, layer_subset_student
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> BuildResult:
+    recipe = yaml.safe_load((REPO / "models" / "digits-classifier.yaml").read_text())
+    recipe["source"].update(epochs=15, channels=32, blocks=2)
+    recipe["student"].update(epochs=25)
+    recipe["profiling"] = {"max_batch_size": 64, "seconds_per_point": 0.2}
+    path = tmp_path_factory.mktemp("digits") / "digits-classifier.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return build(load_recipe(path))
+
+
+def by_variant(result: BuildResult) -> dict:
+    return {c.variant: c for c in result.candidates}
+
+
+def test_teacher_is_trained_and_measured_on_held_out_digits(digits: BuildResult) -> None:
+    teacher = by_variant(digits)["fp32"]
+    assert teacher.metrics["accuracy"] > 0.9
+    assert len(digits_split("evaluation")) == 450
+
+
+def test_student_is_smaller_and_judged_on_accuracy(digits: BuildResult) -> None:
+    student = by_variant(digits)["student"]
+    assert student.trials and "accuracy" in student.trials[0].metrics
+    assert student.trials[0].metrics["accuracy"] > 0.8
+    if student.accepted:
+        assert student.size_mb < by_variant(digits)["fp32"].size_mb / 3
+
+
+def test_student_int8_builds_on_the_accepted_student(digits: BuildResult) -> None:
+    student, stacked = by_variant(digits)["student"], by_variant(digits)["student-int8"]
+    if student.accepted:
+        assert stacked.trials, "student-int8 was not attempted"
+        assert stacked.precision == "int8"
+    else:
+        assert stacked.reason == "not built: needs an accepted student variant" and not stacked.trials
+
+
+def test_digits_splits_are_disjoint() -> None:
+    train, test, calibration = (digits_split(p) for p in ("training", "evaluation", "calibration"))
+    as_bytes = lambda split: {row.tobytes() + bytes([label]) for row, label in zip(split.rows, split.labels, strict=True)}  # noqa: E731
+    assert len(train) + len(test) == 1797
+    assert as_bytes(calibration) <= as_bytes(train)
+    # Exact duplicates exist in load_digits itself; the split never shares an index.
+    assert len(as_bytes(test) & as_bytes(train)) < 5
+
+
+def test_text_splits_are_disjoint() -> None:
+    parts = {
+        p: {tuple(r) for r in text_split(lambda t: [[hash(x)] for x in t], p).rows}
+        for p in ("training", "evaluation", "calibration")
+    }
+    assert not parts["evaluation"] & parts["training"]
+    assert not parts["evaluation"] & parts["calibration"]
+    assert len(parts["training"]) > 1000
+
+
+def test_layers_are_spread_evenly() -> None:
+    assert evenly_spread(6, 3) == [0, 2, 5]
+    assert evenly_spread(12, 4) == [0, 4, 7, 11]
+    assert evenly_spread(6, 1) == [5]
+
+
+def test_text_student_keeps_teacher_layers_and_learns_its_embeddings() -> None:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    teacher = SentenceEmbeddingGraph(
+        BertModel(BertConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64))
+    ).eval()
+    student_model = layer_subset_student(teacher.model, 2)
+    assert len(student_model.encoder.layer) == 2
+    kept_last = student_model.encoder.layer[1].output.dense.weight
+    assert torch.equal(kept_last, teacher.model.encoder.layer[3].output.dense.weight)
+    student = SentenceEmbeddingGraph(student_model)
+    rng = np.random.default_rng(0)
+    batches = [
+        {"input_ids": rng.integers(1000, 2000, (8, 12)), "attention_mask": np.ones((8, 12), dtype=np.int64)}
+        for _ in range(4)
+    ]
+
+    def loss() -> float:
+        with torch.inference_mode():
+            return sum(
+                torch.nn.functional.mse_loss(
+                    student(torch.from_numpy(b["input_ids"]), torch.from_numpy(b["attention_mask"])),
+                    teacher(torch.from_numpy(b["input_ids"]), torch.from_numpy(b["attention_mask"])),
+                ).item()
+                for b in batches
+            )
+
+    before = loss()
+    distill_embeddings(teacher, student, batches, epochs=5)
+    assert loss() < before
