@@ -51,8 +51,26 @@ def load_manifest(path: Path | None = None) -> ServingManifest:
     for endpoint, env in TAG_OVERRIDE_ENV.items():
         route = getattr(manifest, endpoint)
         if os.environ.get(env) and route is not None:
-            setattr(manifest, endpoint, route.model_copy(update={"tag": os.environ[env]}))
+            setattr(manifest, endpoint, override_tag(route, os.environ[env]))
     return manifest
+
+
+def override_tag(route: Route, tag: str) -> Route:
+    """Serve another stored model; its own profiled batching comes with it when it has one."""
+    import bentoml
+
+    try:
+        metadata = bentoml.models.get(tag).info.metadata
+    except bentoml.exceptions.NotFound as exc:
+        raise ManifestError(f"model {tag!r} named by the environment is not in the model store") from exc
+    batching = metadata.get("batching") or {}
+    return route.model_copy(
+        update={
+            "tag": tag,
+            "max_batch_size": batching.get("max_batch_size", route.max_batch_size),
+            "max_latency_ms": batching.get("max_latency_ms", route.max_latency_ms),
+        }
+    )
 
 
 def write_manifest(manifest: ServingManifest, path: Path) -> None:

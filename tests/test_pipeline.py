@@ -131,3 +131,18 @@ def test_export_check_collects_every_failure(
         check_export(loaded.recipe, graph, onnx_path, batches)
     assert any("export.tolerance.max_abs_diff" in f for f in error.value.failures)
     assert any("export.tolerance.min_cosine" in f for f in error.value.failures)
+
+
+def test_tag_override_serves_another_model_with_its_own_batching(
+    built_models: dict[str, BuildResult], manifest_file: Path, monkeypatch
+) -> None:
+    from serving.manifest import ManifestError, load_manifest
+
+    image = built_models["image-classifier"]
+    monkeypatch.setenv("OPTISERVE_CLASSIFY_MODEL", str(image.model.tag))
+    route = load_manifest(manifest_file).classify
+    assert route.tag == str(image.model.tag)
+    assert route.max_batch_size == image.batching.max_batch_size
+    monkeypatch.setenv("OPTISERVE_CLASSIFY_MODEL", "image-classifier:doesnotexist")
+    with pytest.raises(ManifestError, match="not in the model store"):
+        load_manifest(manifest_file)
