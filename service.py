@@ -16,6 +16,8 @@ from serving.classify import ImageClassifier, load_class_names
 from serving.embed import TextEmbedder
 from serving.engine import EngineSettings
 from serving.manifest import load_manifest
+from serving.metrics import ModelMetrics, install_queue_probe
+from serving.model_calls import MODEL_CONNECTIONS, call_model
 from serving.model_runtime import ImageModelRuntime, TextModelRuntime, read_spec
 from serving.model_spec import TOKENIZER_FILE
 from serving.settings import front_workers
@@ -26,7 +28,7 @@ classify_route, embed_route = manifest.classify, manifest.embed
 if classify_route is None and embed_route is None:
     raise RuntimeError("the serving manifest routes no endpoint: nothing to serve")
 
-MODEL_SERVICE = {"workers": 1, "traffic": {"timeout": 120}}
+MODEL_SERVICE = {"workers": 1, "traffic": {"timeout": 120}, "runner_connection": MODEL_CONNECTIONS}
 
 if classify_route is not None:
 
@@ -38,6 +40,8 @@ if classify_route is not None:
             spec = read_spec(self.stored.info.metadata)
             self.runtime = ImageModelRuntime(Path(self.stored.path), spec, EngineSettings.from_environment())
             self.runtime.warm_up(classify_route.max_batch_size)
+            self.metrics = ModelMetrics(endpoint="classify", model=str(self.stored.tag))
+            install_queue_probe(self.metrics.observe_queue_wait)
 
         @bentoml.api(
             batchable=True,
@@ -45,7 +49,8 @@ if classify_route is not None:
             max_latency_ms=classify_route.max_latency_ms,
         )
         def predict(self, images: np.ndarray) -> np.ndarray:
-            return self.runtime.predict(images)
+            with self.metrics.batch(rows=len(images)):
+                return self.runtime.predict(images)
 
 
 if embed_route is not None:
@@ -58,6 +63,8 @@ if embed_route is not None:
             spec = read_spec(self.stored.info.metadata)
             self.runtime = TextModelRuntime(Path(self.stored.path), spec, EngineSettings.from_environment())
             self.runtime.warm_up(embed_route.max_batch_size)
+            self.metrics = ModelMetrics(endpoint="embed", model=str(self.stored.tag))
+            install_queue_probe(self.metrics.observe_queue_wait)
 
         @bentoml.api(
             batchable=True,
@@ -65,7 +72,8 @@ if embed_route is not None:
             max_latency_ms=embed_route.max_latency_ms,
         )
         def predict(self, token_ids: list[list[int]]) -> np.ndarray:
-            return self.runtime.predict(token_ids)
+            with self.metrics.batch(rows=len(token_ids)):
+                return self.runtime.predict(token_ids)
 
 
 @bentoml.service(name="optiserve", workers=front_workers(), traffic={"timeout": 120})
@@ -91,7 +99,7 @@ class Optiserve:
                 spec=spec.image,
                 class_names=load_class_names(Path(self.image_stored.path)),
                 # Remote clients gain their methods only after startup, so resolve them per call.
-                predict=lambda images: self.image_model.to_async.predict(images),
+                predict=lambda images: call_model(self.image_model.to_async.predict, images),
                 max_batch_size=classify_route.max_batch_size,
                 max_items_per_request=classify_route.max_items_per_request,
             )
@@ -100,7 +108,7 @@ class Optiserve:
             self.embedder_tag = str(self.text_stored.tag)
             self.embedder = TextEmbedder(
                 tokenizer=TextTokenizer(Path(self.text_stored.path) / TOKENIZER_FILE, max_length=spec.text.max_length),
-                embed_ids=lambda token_ids: self.text_model.to_async.predict(token_ids),
+                embed_ids=lambda token_ids: call_model(self.text_model.to_async.predict, token_ids),
                 max_batch_size=embed_route.max_batch_size,
                 max_items_per_request=embed_route.max_items_per_request,
             )
