@@ -30,15 +30,30 @@ def default_intra_op_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def spin_from_environment() -> bool:
+    """Busy-waiting intra-op threads: off unless OPTISERVE_ORT_SPIN=1 (see EngineSettings.spin)."""
+    return os.environ.get("OPTISERVE_ORT_SPIN", "0") == "1"
+
+
 @dataclass(frozen=True)
 class EngineSettings:
+    """`spin`: let idle intra-op threads busy-wait for the next run. Off by default: the model
+    worker shares a few cores with the front's decode threads and the other model worker, and
+    spinning threads took their CPU. Measured with `python -m loadtest` on 2 cores, /classify
+    with spinning off served 27-37 % more requests/s at concurrency 1 and 8 (BENCHMARKS.md)."""
+
     intra_op_threads: int
     inter_op_threads: int = 1
     providers: tuple[str, ...] = ()
+    spin: bool = False
 
     @classmethod
     def from_environment(cls) -> EngineSettings:
-        return cls(intra_op_threads=default_intra_op_threads(), providers=tuple(available_providers()))
+        return cls(
+            intra_op_threads=default_intra_op_threads(),
+            providers=tuple(available_providers()),
+            spin=spin_from_environment(),
+        )
 
 
 class OnnxEngine:
@@ -50,6 +65,7 @@ class OnnxEngine:
         options.inter_op_num_threads = settings.inter_op_threads
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if settings.spin else "0")
         options.log_severity_level = 3  # errors only: graph-cleanup notices would flood service logs
         self.session = ort.InferenceSession(
             str(model_path),
