@@ -1,0 +1,73 @@
+"""The knee of a sweep and the replicas a target load needs: pure arithmetic, unit-tested."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured load level, reduced to what the knee needs."""
+
+    level: float  # concurrency, or offered requests/s
+    throughput: float  # successful requests/s
+    p99_ms: float | None
+    error_rate: float
+
+
+@dataclass(frozen=True)
+class Knee:
+    level: float
+    throughput: float
+    p99_ms: float
+    slo_ms: float
+
+
+def find_knee(points: Sequence[Point], *, slo_ms: float, max_error_rate: float = 0.0) -> Knee | None:
+    """The highest throughput whose p99 is within the SLO and whose error rate is acceptable."""
+    eligible = [p for p in points if p.p99_ms is not None and p.p99_ms <= slo_ms and p.error_rate <= max_error_rate]
+    if not eligible:
+        return None
+    best = max(eligible, key=lambda p: (p.throughput, -p.level))
+    assert best.p99_ms is not None
+    return Knee(level=best.level, throughput=best.throughput, p99_ms=best.p99_ms, slo_ms=slo_ms)
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """Replicas for `target_qps`, each planned at (1 − headroom) × its knee throughput.
+
+    Headroom is taken off the per-replica capacity, not added to the target: a replica is
+    planned to run at most at `planned_per_replica_qps`, so that bursts, a replica being
+    replaced, or a slower machine still find the service left of its knee. `utilization` is
+    the share of the fleet's knee throughput the target uses.
+    """
+
+    target_qps: float
+    knee_qps: float
+    headroom: float
+    planned_per_replica_qps: float
+    replicas: int
+    utilization: float
+
+
+def capacity_plan(*, target_qps: float, knee_qps: float, headroom: float) -> CapacityPlan:
+    if target_qps <= 0:
+        raise ValueError(f"target QPS must be positive, got {target_qps}")
+    if knee_qps <= 0:
+        raise ValueError(f"knee throughput must be positive, got {knee_qps}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom is a fraction in [0, 1), got {headroom}")
+    planned = knee_qps * (1 - headroom)
+    # A tiny epsilon keeps an exact fit (target == n × planned) from rounding up by float noise.
+    replicas = max(1, math.ceil(target_qps / planned - 1e-9))
+    return CapacityPlan(
+        target_qps=target_qps,
+        knee_qps=knee_qps,
+        headroom=headroom,
+        planned_per_replica_qps=planned,
+        replicas=replicas,
+        utilization=target_qps / (replicas * knee_qps),
+    )

@@ -1,0 +1,76 @@
+"""The server-side breakdown, from two scrapes of a Prometheus /metrics page.
+
+Histograms are cumulative, so the mean over a span is Δsum / Δcount between a scrape at its
+start and one at its end. Works with optiserve's own series (serving/metrics.py) and BentoML's
+request durations; another server simply yields no breakdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUEUE = "optiserve_batch_queue_seconds"
+INFERENCE = "optiserve_inference_seconds"
+ROWS = "optiserve_batch_rows"
+REQUEST_DURATION = "bentoml_service_request_duration_seconds"
+
+Labels = frozenset[tuple[str, str]]
+Snapshot = dict[tuple[str, Labels], float]
+
+
+def parse(text: str) -> Snapshot:
+    """Every `_sum` and `_count` sample of the page, keyed by (sample name, labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    snapshot: Snapshot = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                snapshot[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return snapshot
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Means over one span. `front_ms` is BentoML's own duration of the endpoint under test."""
+
+    queue_ms: float | None
+    inference_ms: float | None
+    batch_rows: float | None
+    batches: int
+    model_requests: int
+    front_ms: float | None
+
+
+def endpoint_label(path: str) -> str:
+    """The model route a URL path feeds: '/classify_batch' → 'classify', '/embed' → 'embed'."""
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    return last.split("_", 1)[0]
+
+
+def breakdown(before: Snapshot, after: Snapshot, *, path: str) -> Breakdown | None:
+    """None when the server exports none of these series (not an optiserve / BentoML server)."""
+    endpoint = endpoint_label(path)
+
+    def delta(metric: str, suffix: str, match: dict[str, str]) -> float:
+        total = 0.0
+        for (name, labels), value in after.items():
+            if name == metric + suffix and all((k, v) in labels for k, v in match.items()):
+                total += value - before.get((name, labels), 0.0)
+        return total
+
+    def mean(metric: str, match: dict[str, str], scale: float = 1.0) -> float | None:
+        count = delta(metric, "_count", match)
+        return scale * delta(metric, "_sum", match) / count if count > 0 else None
+
+    if not any(name.startswith(("optiserve_", "bentoml_")) for name, _ in after):
+        return None
+    model = {"endpoint": endpoint}
+    return Breakdown(
+        queue_ms=mean(QUEUE, model, 1000),
+        inference_ms=mean(INFERENCE, model, 1000),
+        batch_rows=mean(ROWS, model),
+        batches=round(delta(INFERENCE, "_count", model)),
+        model_requests=round(delta(QUEUE, "_count", model)),
+        front_ms=mean(REQUEST_DURATION, {"endpoint": "/" + path.strip("/")}, 1000),
+    )

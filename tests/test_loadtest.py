@@ -1,0 +1,177 @@
+"""The load tester: its arithmetic as pure functions, and short real sweeps against the running
+service (the `server` fixture), including the service's queue, inference and batch-rows metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loadtest.capacity import Point, capacity_plan, find_knee
+from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
+from loadtest.server_metrics import INFERENCE, QUEUE, ROWS, breakdown, endpoint_label, parse
+from loadtest.stats import Outcome, Recorder, is_stable, percentile, summarize
+from loadtest.sweep import SweepSettings, run_sweep
+from pipeline.samples import sample_texts
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_capacity_plan_takes_headroom_off_each_replica() -> None:
+    plan = capacity_plan(target_qps=100, knee_qps=30, headroom=0.25)
+    assert plan.planned_per_replica_qps == pytest.approx(22.5)
+    assert plan.replicas == 5  # 100 / 22.5 = 4.44 → 5
+    assert plan.utilization == pytest.approx(100 / 150)
+    exact = capacity_plan(target_qps=90, knee_qps=30, headroom=0.0)
+    assert exact.replicas == 3 and exact.utilization == pytest.approx(1.0)
+    assert capacity_plan(target_qps=1, knee_qps=1000, headroom=0.5).replicas == 1
+    for bad in ({"target_qps": 0, "knee_qps": 1, "headroom": 0}, {"target_qps": 1, "knee_qps": 1, "headroom": 1}):
+        with pytest.raises(ValueError):
+            capacity_plan(**bad)
+
+
+def test_knee_is_the_best_throughput_within_the_slo_and_error_free() -> None:
+    points = [
+        Point(level=1, throughput=10, p99_ms=50, error_rate=0),
+        Point(level=4, throughput=30, p99_ms=180, error_rate=0),
+        Point(level=8, throughput=35, p99_ms=260, error_rate=0.02),  # errors disqualify
+        Point(level=16, throughput=40, p99_ms=900, error_rate=0),  # past the SLO
+    ]
+    knee = find_knee(points, slo_ms=300)
+    assert (knee.level, knee.throughput, knee.p99_ms) == (4, 30, 180)
+    assert find_knee(points, slo_ms=300, max_error_rate=0.05).level == 8
+    assert find_knee(points, slo_ms=10) is None
+
+
+def test_percentiles_are_observed_values_and_summaries_add_up() -> None:
+    assert percentile([1, 2, 3, 4], 50) == 2 and percentile([1, 2, 3, 4], 99) == 4 and percentile([7], 90) == 7
+    recorder = Recorder()
+    for i in range(100):
+        recorder.add(Outcome(finished=i / 100, latency=(i + 1) / 1000, status="200", rows=2))
+    recorder.add(Outcome(finished=0.5, latency=0.001, status="503"))
+    recorder.add(Outcome(finished=0.6, latency=0.0, status="timeout"))
+    window = summarize(recorder.between(0, 1), 1.0)
+    assert (window.completed, window.ok, window.errors) == (102, 100, {"503": 1, "timeout": 1})
+    assert window.throughput == 100 and window.rows_per_s == 200
+    latency = window.latency_ms
+    assert latency.p50 == pytest.approx(50) and latency.p99 == pytest.approx(99) and latency.max == pytest.approx(100)
+    assert len(recorder.between(0.25, 0.5)) == 25
+
+
+def test_stability_needs_three_windows_within_tolerance() -> None:
+    def window(throughput: float, mean_ms: float):
+        return summarize([Outcome(0, mean_ms / 1000, "200")] * int(throughput), 1.0)
+
+    steady = [window(100, 50), window(104, 52), window(97, 49)]
+    assert is_stable(steady)
+    assert not is_stable(steady[:2])
+    assert not is_stable([*steady[:2], window(80, 50)])
+    assert not is_stable([*steady[:2], window(100, 70)])
+
+
+def test_breakdown_is_the_mean_between_two_scrapes() -> None:
+    def page(queue: tuple[float, int], inference: tuple[float, int], rows: tuple[float, int]) -> str:
+        lines = []
+        for name, (total, count) in ((QUEUE, queue), (INFERENCE, inference), (ROWS, rows)):
+            labels = '{endpoint="classify",model="m:1"}'
+            lines += [f"# TYPE {name} histogram", f"{name}_sum{labels} {total}", f"{name}_count{labels} {count}"]
+        return "\n".join(lines) + "\n"
+
+    before = parse(page((1.0, 10), (2.0, 5), (10, 5)))
+    after = parse(page((1.5, 20), (2.4, 9), (22, 9)))
+    found = breakdown(before, after, path="/classify_batch")
+    assert found.queue_ms == pytest.approx(50) and found.inference_ms == pytest.approx(100)
+    assert found.batch_rows == pytest.approx(3) and found.batches == 4 and found.model_requests == 10
+    assert breakdown({}, {}, path="/classify") is None
+    assert endpoint_label("/embed") == "embed" and endpoint_label("/v1/classify_batch/") == "classify"
+
+
+def check_level(level: dict, stable_windows: int) -> None:
+    """Counts add up, throughput is completions over time, percentiles are ordered."""
+    result, windows = level["result"], level["windows"]
+    assert result["completed"] == result["ok"] + sum(result["errors"].values())
+    assert result["throughput"] == pytest.approx(result["ok"] / result["duration_s"])
+    pooled = windows[-min(stable_windows, len(windows)) :]
+    assert result["completed"] == sum(w["completed"] for w in pooled)
+    assert result["duration_s"] == pytest.approx(sum(w["duration_s"] for w in pooled))
+    latency = result["latency_ms"]
+    assert 0 < latency["p50"] <= latency["p90"] <= latency["p95"] <= latency["p99"] <= latency["max"]
+
+
+@pytest.mark.slow
+def test_cli_sweep_writes_consistent_json_and_plots(server, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "loadtest", f"{server.url}/classify", "--concurrency", "1,4"]
+    command += ["--warmup", "0.5", "--window", "1", "--max-windows", "3", "--slo-ms", "5000"]
+    command += ["--target-qps", "50", "--headroom", "0.3", "--out", str(tmp_path), "--name", "sweep"]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "knee:" in run.stdout and "capacity plan:" in run.stdout
+    document = json.loads((tmp_path / "sweep.json").read_text())
+    assert [level["level"] for level in document["levels"]] == [1, 4]
+    for level in document["levels"]:
+        check_level(level, document["settings"]["stable_windows"])
+        assert level["result"]["errors"] == {}, "the service must not fail under a little concurrency"
+        server_side = level["server"]
+        assert server_side["inference_ms"] > 0 and server_side["queue_ms"] >= 0 and server_side["batch_rows"] >= 1
+        assert server_side["front_ms"] > 0
+    knee, plan = document["knee"], document["capacity_plan"]
+    assert knee["throughput"] == max(level["result"]["throughput"] for level in document["levels"])
+    assert plan["replicas"] == math.ceil(50 / (knee["throughput"] * 0.7) - 1e-9)
+    for plot in ("sweep-throughput.png", "sweep-p99.png"):
+        assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_open_loop_multipart_batches_count_rows(server) -> None:
+    payloads = image_payloads(sample_photo_files(), multipart_field="images", per_request=2)
+    settings = SweepSettings(
+        url=f"{server.url}/classify_batch", mode="rate", levels=(4,), warmup_s=0.5, window_s=1.0, max_windows=3
+    )
+    result = run_sweep(settings, payloads, {"kind": "image"})
+    (level,) = result.levels
+    assert level.result.errors == {} and level.result.ok > 0
+    assert level.result.rows_per_s == pytest.approx(2 * level.result.throughput)
+    assert level.server is not None and level.server.batch_rows >= 2
+
+
+def metric_totals(client: httpx.Client, endpoint: str) -> dict[str, float]:
+    snapshot = parse(client.get("/metrics").text)
+    totals: dict[str, float] = {}
+    for (name, labels), value in snapshot.items():
+        found = dict(labels)
+        if name.startswith("optiserve_") and found.get("endpoint") == endpoint:
+            assert found["model"].split(":")[0] in ("image-classifier", "text-embedder")
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ["classify", "embed"])
+def test_queue_inference_and_row_metrics_move_under_load(server, endpoint: str) -> None:
+    if endpoint == "classify":
+        payloads = image_payloads(sample_photo_files(), multipart_field="images", per_request=3)
+        path, rows = "/classify_batch", 3
+    else:
+        payloads, path, rows = text_payloads(sample_texts(16), per_request=4), "/embed", 4
+    requests = 12
+    with server.client() as client:
+        before = metric_totals(client, endpoint)
+
+        def send(i: int) -> int:
+            payload = payloads[i % len(payloads)]
+            return client.post(path, content=payload.body, headers={"content-type": payload.content_type}).status_code
+
+        with ThreadPoolExecutor(6) as pool:
+            assert set(pool.map(send, range(requests))) == {200}
+        after = metric_totals(client, endpoint)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert delta[f"{ROWS}_sum"] == requests * rows  # rows, not requests: every row counted once
+    assert 1 <= delta[f"{ROWS}_count"] <= requests  # concurrent requests share batches
+    assert delta[f"{INFERENCE}_count"] == delta[f"{ROWS}_count"] and delta[f"{INFERENCE}_sum"] > 0
+    assert delta[f"{QUEUE}_count"] >= requests and delta[f"{QUEUE}_sum"] >= 0
