@@ -28,7 +28,7 @@ import torch
 from onnx import numpy_helper
 
 from pipeline.export import ServingGraph
-from pipeline.variants import VariantInputs, kind
+from pipeline.variants import VariantInputs, cpu_has_vnni, kind
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,20 @@ def _configs(inputs: VariantInputs) -> list[dict[str, Any]]:
 
     Within each, autotune tries min-max calibration before KL (histogram) calibration. Activations
     are asymmetric uint8 per tensor and weights symmetric int8 per channel: the x86 fast path.
+    Convolution weights get 7 bits on CPUs without VNNI (see `fold_weight_quantization`); linear
+    weights keep 8, measured to lose nothing to saturation in ORT's integer MatMul here.
     `autotune` starts empty and the build fills it in place with what neural-compressor tried; the
     tuner's trial record holds the same dict, so the record shows it.
     """
+    conv_weight_bits = 8 if cpu_has_vnni() else 7
     return [
-        {"layers": layers, "act_algos": ["minmax", "kl"], "tolerable_loss": 0.01, "autotune": {}}
+        {
+            "layers": layers,
+            "act_algos": ["minmax", "kl"],
+            "tolerable_loss": 0.01,
+            "conv_weight_bits": conv_weight_bits,
+            "autotune": {},
+        }
         for layers in ("all", "all-but-ends")
     ]
 
@@ -69,7 +78,8 @@ def _inc_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
     exported = _capture(graph.module, graph.example_inputs, dynamic)
     quantized, tuning = _autotune(exported, config, batches, _agreement(graph.module, batches))
     config.setdefault("autotune", {}).update(tuning)  # what autotune tried, for the trial record
-    _export_onnx(quantized, graph, dynamic, out, opset=max(inputs.opset, DYNAMO_MIN_OPSET))
+    opset = max(inputs.opset, DYNAMO_MIN_OPSET)
+    _export_onnx(quantized, graph, dynamic, out, opset=opset, conv_weight_bits=config.get("conv_weight_bits", 8))
 
 
 def _tensors(inputs: VariantInputs, rows: list) -> tuple[torch.Tensor, ...]:
@@ -164,12 +174,15 @@ def _autotune(exported: torch.fx.GraphModule, config: dict, batches: list[tuple]
 
     configs = _inc_configs(exported, config)
     tried: list[dict] = []
+    captured: list[float] = []  # autotune's baseline: the captured FP32 graph against the module
 
     def eval_fn(model: torch.nn.Module) -> float:
         value = score(model)
         qconfig = getattr(model, "qconfig", None)
         if isinstance(qconfig, dict) and qconfig:
             tried.append({**_describe(next(iter(qconfig.values()))), "agreement": round(value, 6)})
+        else:
+            captured.append(round(value, 6))
         return value
 
     def run_fn(model: torch.nn.Module) -> None:
@@ -187,7 +200,9 @@ def _autotune(exported: torch.fx.GraphModule, config: dict, batches: list[tuple]
         raise RuntimeError(f"{INC_KIND}: autotune returned no model (tried {tried})")
     chosen = _describe(next(iter(quantized.qconfig.values())))
     best = max(tried, key=lambda t: t["agreement"])
+    logger.info("%s %s: autotune tried %s, chose %s", INC_KIND, config["layers"], tried, chosen)
     return quantized, {
+        "captured_fp32_agreement": captured[0] if captured else None,
         "tried": tried,
         "chosen": chosen,
         "calibration_agreement": best["agreement"],
@@ -195,7 +210,9 @@ def _autotune(exported: torch.fx.GraphModule, config: dict, batches: list[tuple]
     }
 
 
-def _export_onnx(quantized: torch.nn.Module, graph: ServingGraph, dynamic: tuple, out: Path, *, opset: int) -> None:
+def _export_onnx(
+    quantized: torch.nn.Module, graph: ServingGraph, dynamic: tuple, out: Path, *, opset: int, conv_weight_bits: int
+) -> None:
     """Dynamo export with the FP32 graph's input and output names, then the clean-ups ORT needs."""
     with tempfile.TemporaryDirectory(prefix="inc-onnx-") as scratch:
         raw = Path(scratch) / "quantized.onnx"
@@ -216,8 +233,9 @@ def _export_onnx(quantized: torch.nn.Module, graph: ServingGraph, dynamic: tuple
                 reason = log.reason(exc)
                 raise RuntimeError(f"{INC_KIND}: dynamo ONNX export of the quantized model failed: {reason}") from exc
         model = onnx.load(str(raw))  # pulls the exporter's external weights file in
-    fold_weight_quantization(model)
+    fold_weight_quantization(model, conv_weight_bits=conv_weight_bits)
     fold_pads_into_convs(model)
+    model = fuse_gelu(model)
     _name_dynamic_axes(model, graph.dynamic_axes)
     onnx.checker.check_model(model)
     onnx.save(model, str(out))
@@ -241,10 +259,10 @@ def _name_dynamic_axes(model: onnx.ModelProto, dynamic_axes: dict[str, dict[int,
 
 # --- ONNX clean-up -----------------------------------------------------------------------------
 
-_RANGES = {
-    onnx.TensorProto.INT8: (-128, 127, np.int8),
-    onnx.TensorProto.UINT8: (0, 255, np.uint8),
-}
+
+def _attribute(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    found = [a for a in node.attribute if a.name == name]
+    return onnx.helper.get_attribute_value(found[0]) if found else default
 
 
 def _per_axis(value: np.ndarray, axis: int, rank: int) -> np.ndarray:
@@ -256,68 +274,82 @@ def _per_axis(value: np.ndarray, axis: int, rank: int) -> np.ndarray:
     return value.reshape(shape)
 
 
-def fold_weight_quantization(model: onnx.ModelProto) -> None:
+def fold_weight_quantization(model: onnx.ModelProto, *, conv_weight_bits: int = 8) -> None:
     """Rewrite float weight → QuantizeLinear [→ Clip] → DequantizeLinear [→ Transpose] as int8 weight →
-    DequantizeLinear, in place: the file shrinks to int8 weights and ORT sees the QDQ pattern it fuses."""
+    DequantizeLinear, in place: the file shrinks to int8 weights and ORT sees the QDQ pattern it fuses.
+
+    `conv_weight_bits=7` requantizes symmetric convolution weights from the float values to [-64, 63]
+    (scale × 127.5 / 63.5): without VNNI, x86 QLinearConv multiplies u8 × s8 pairs into saturating
+    int16 and loses accuracy with full-range weights (ORT's `reduce_range`)."""
     graph = model.graph
     inits = {init.name: init for init in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    conv_weights = {node.input[1] for node in graph.node if node.op_type == "Conv"}
 
     def constant(name: str) -> np.ndarray | None:
         return numpy_helper.to_array(inits[name]) if name in inits else None
 
-    def attribute(node: onnx.NodeProto, name: str, default: Any) -> Any:
-        found = [a for a in node.attribute if a.name == name]
-        return onnx.helper.get_attribute_value(found[0]) if found else default
-
-    def add_constant(name: str, value: np.ndarray) -> None:
-        tensor = numpy_helper.from_array(value, name)
-        if name in inits:
-            inits[name].CopyFrom(tensor)
-        else:
-            graph.initializer.append(tensor)
-            inits[name] = graph.initializer[-1]
+    def add_constant(name: str, value: np.ndarray) -> str:
+        graph.initializer.append(numpy_helper.from_array(value, name))
+        inits[name] = graph.initializer[-1]
+        return name
 
     removed: set[int] = set()
-    for index, node in enumerate(graph.node):
-        if node.op_type == "QuantizeLinear" and len(node.input) == 3:
-            x, scale, zero = (constant(name) for name in node.input)
-            if x is None or scale is None or zero is None or inits[node.input[2]].data_type not in _RANGES:
-                continue
-            low, high, dtype = _RANGES[inits[node.input[2]].data_type]
-            axis = attribute(node, "axis", 1) % x.ndim
-            quantized = np.rint(x / _per_axis(scale, axis, x.ndim)) + _per_axis(zero, axis, x.ndim).astype(np.int32)
-            add_constant(node.output[0], np.clip(quantized, low, high).astype(dtype))
-            removed.add(index)
-        elif node.op_type == "Clip" and node.input and node.input[0] in inits:
-            bounds = [constant(name) if name else None for name in node.input[1:]]
-            if any(name and b is None for name, b in zip(node.input[1:], bounds, strict=False)):
-                continue
-            value = constant(node.input[0])
-            low = bounds[0] if bounds and bounds[0] is not None else None
-            high = bounds[1] if len(bounds) > 1 and bounds[1] is not None else None
-            add_constant(node.output[0], np.clip(value, low, high).astype(value.dtype))
-            removed.add(index)
+    for dq in [node for node in graph.node if node.op_type == "DequantizeLinear"]:
+        chain = [producer.get(dq.input[0])]
+        if chain[-1] is not None and chain[-1].op_type == "Clip":
+            chain.append(producer.get(chain[-1].input[0]))
+        q = chain[-1]
+        if q is None or q.op_type != "QuantizeLinear" or len(q.input) != 3:
+            continue
+        if any(uses.get(node.output[0], 0) != 1 for node in chain):
+            continue
+        weight, scale, zero = (constant(name) for name in q.input)
+        if weight is None or scale is None or zero is None or zero.dtype not in (np.int8, np.uint8):
+            continue
+        info = np.iinfo(zero.dtype)
+        low, high = info.min, info.max
+        for clip in chain[:-1]:
+            bounds = [constant(name) if name else None for name in clip.input[1:]]
+            if any(name and bound is None for name, bound in zip(clip.input[1:], bounds, strict=False)):
+                break
+            low = max(low, int(bounds[0])) if bounds and bounds[0] is not None else low
+            high = min(high, int(bounds[1])) if len(bounds) > 1 and bounds[1] is not None else high
+        else:
+            axis = _attribute(q, "axis", 1) % weight.ndim
+            if conv_weight_bits == 7 and dq.output[0] in conv_weights and zero.dtype == np.int8 and not zero.any():
+                scale = (scale * (127.5 / 63.5)).astype(scale.dtype)
+                low, high = -64, 63
+                dq.input[1] = add_constant(f"{dq.output[0]}_scale", scale)
+            quantized = np.rint(weight / _per_axis(scale, axis, weight.ndim)) + _per_axis(zero, axis, weight.ndim)
+            dq.input[0] = add_constant(f"{dq.output[0]}_quantized", np.clip(quantized, low, high).astype(zero.dtype))
+            removed |= {index for index, node in enumerate(graph.node) if any(node is c for c in chain)}
 
     consumers: dict[str, list[int]] = {}
     for index, node in enumerate(graph.node):
         if index not in removed:
             for name in node.input:
                 consumers.setdefault(name, []).append(index)
-    for index, node in enumerate(graph.node):
-        if index in removed or node.op_type != "DequantizeLinear" or node.input[0] not in inits:
+    outputs = {o.name for o in graph.output}
+    for node in graph.node:
+        if node.op_type != "DequantizeLinear" or node.input[0] not in inits or node.output[0] in outputs:
             continue
         users = consumers.get(node.output[0], [])
-        if len(users) != 1 or len(consumers.get(node.input[0], [])) != 1:
+        if len(users) != 1 or len(consumers.get(node.input[0], [])) != 1 or graph.node[users[0]].op_type != "Transpose":
             continue
         transpose = graph.node[users[0]]
-        if transpose.op_type != "Transpose" or any(o.name == node.output[0] for o in graph.output):
-            continue
         weight = constant(node.input[0])
-        perm = list(attribute(transpose, "perm", list(reversed(range(weight.ndim)))))
-        add_constant(node.input[0], np.ascontiguousarray(weight.transpose(perm)))
+        perm = list(_attribute(transpose, "perm", list(reversed(range(weight.ndim)))))
+        inits[node.input[0]].CopyFrom(
+            numpy_helper.from_array(np.ascontiguousarray(weight.transpose(perm)), node.input[0])
+        )
         scale = constant(node.input[1])
         if scale is not None and scale.size > 1:
-            axis = attribute(node, "axis", 1) % weight.ndim
+            axis = _attribute(node, "axis", 1) % weight.ndim
             node.attribute.remove(next(a for a in node.attribute if a.name == "axis"))
             node.attribute.append(onnx.helper.make_attribute("axis", perm.index(axis)))
         node.output[0] = transpose.output[0]
@@ -327,6 +359,23 @@ def fold_weight_quantization(model: onnx.ModelProto) -> None:
     del graph.node[:]
     graph.node.extend(kept)
     _drop_unused_initializers(graph)
+
+
+def fuse_gelu(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxscript's ORT fusions for the exact GELU the dynamo exporter spells out (Div, Erf, Add, Mul,
+    Mul) and its bias: ORT's own runtime fusion does not match that spelling. Attention fusion is
+    left out on purpose: it would take the QKV weights as float and undo their int8 MatMuls."""
+    import onnx_ir as ir
+    from onnxscript.rewriter.ort_fusions.bias_gelu import fuse_bias_gelu
+    from onnxscript.rewriter.ort_fusions.erfgelu import fuse_erfgelu
+
+    ir_model = ir.from_proto(model)
+    if not fuse_erfgelu(ir_model):
+        return model
+    fuse_bias_gelu(ir_model)
+    fused = ir.to_proto(ir_model)
+    _drop_unused_initializers(fused.graph)  # the constants of the spelled-out GELU
+    return fused
 
 
 def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
@@ -352,14 +401,10 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> None:
         users = consumers.get(name, [])
         return users[0] if len(users) == 1 and name not in graph_outputs else None
 
-    def attribute(node: onnx.NodeProto, name: str, default: Any) -> Any:
-        found = [a for a in node.attribute if a.name == name]
-        return onnx.helper.get_attribute_value(found[0]) if found else default
-
     folded: list[onnx.NodeProto] = []
     unpadded: set[str] = set()
     for conv in graph.node:
-        if conv.op_type != "Conv" or attribute(conv, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        if conv.op_type != "Conv" or _attribute(conv, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
             continue
         dq = producer.get(conv.input[0])
         q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
@@ -368,7 +413,7 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> None:
             continue
         if only_consumer(q.output[0]) is not dq or only_consumer(pad.output[0]) is not q:
             continue
-        if attribute(pad, "mode", b"constant") not in (b"constant", "constant") or len(pad.input) > 3:
+        if _attribute(pad, "mode", b"constant") not in (b"constant", "constant") or len(pad.input) > 3:
             continue
         if pad.input[1] not in inits or (len(pad.input) > 2 and pad.input[2] and pad.input[2] not in inits):
             continue
@@ -379,7 +424,7 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> None:
         begins, ends = pads[:rank], pads[rank:]
         if begins[:2] != [0, 0] or ends[:2] != [0, 0] or min(pads) < 0:
             continue
-        current = list(attribute(conv, "pads", [0] * (2 * (rank - 2))))
+        current = list(_attribute(conv, "pads", [0] * (2 * (rank - 2))))
         spatial = rank - 2
         merged = [current[i] + begins[2 + i] for i in range(spatial)] + [
             current[spatial + i] + ends[2 + i] for i in range(spatial)
