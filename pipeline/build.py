@@ -210,7 +210,6 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             SPEC_KEY: data.spec.model_dump(mode="json", exclude_none=True),
             "source": recipe.source.model_dump(mode="json"),
             "export_check": check.as_metadata(),
-            "opset": recipe.export.opset,
             "versions": {"torch": str(torch.__version__), "onnx": onnx.__version__},
         }
         selection = {
@@ -301,12 +300,23 @@ def register_candidate(
             {
                 **metadata,
                 "variant_config": candidate.config,
+                "opset": max(
+                    o.version
+                    for o in onnx.load(str(candidate.path), load_external_data=False).opset_import
+                    if o.domain in ("", "ai.onnx")
+                ),
                 "evaluation": {"metrics": candidate.metrics, "drops": candidate.drops},
                 "profile": [p.model_dump() for p in candidate.profile],
                 "selected": selected,
             }
         ),
     )
+
+
+def onnx_opset(path: Path) -> int:
+    """The default-domain opset a file really uses (the dynamo exporter raises it to 18)."""
+    imports = onnx.load(str(path), load_external_data=False).opset_import
+    return max(o.version for o in imports if o.domain in ("", "ai.onnx"))
 
 
 def _clean(value):

@@ -72,6 +72,7 @@ def tune(
         trial = Trial(config=config)
         try:
             kind.build(inputs, config, out)
+            trial.config = config  # a kind may record what it chose inside its config while building
             trial.metrics = evaluate(inputs.task, reference, predict(out), labels)
         except Exception as exc:  # a quantizer or runtime refusing a graph is a failed trial, not a crash
             logger.warning("%s %s failed: %s", kind.name, config, exc)

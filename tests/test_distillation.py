@@ -59,7 +59,10 @@ def test_student_int8_builds_on_the_accepted_student(digits: BuildResult) -> Non
 
 def test_digits_splits_are_disjoint() -> None:
     train, test, calibration = (digits_split(p) for p in ("training", "evaluation", "calibration"))
-    as_bytes = lambda split: {row.tobytes() + bytes([label]) for row, label in zip(split.rows, split.labels, strict=True)}  # noqa: E731
+
+    def as_bytes(split) -> set[bytes]:
+        return {row.tobytes() + bytes([label]) for row, label in zip(split.rows, split.labels, strict=True)}
+
     assert len(train) + len(test) == 1797
     assert as_bytes(calibration) <= as_bytes(train)
     # Exact duplicates exist in load_digits itself; the split never shares an index.
