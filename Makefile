@@ -50,3 +50,49 @@ base-image:
 
 clean:
 	rm -rf reports serving-manifest.json .pytest_cache
+
+# --- Release: the bento and its container image (README "Release") ----------------------------
+# make bento                      bento `optiserve` from serving-manifest.json (make optimize first)
+# make container                  image optiserve:latest on the local base image, with podman
+# make container BASE_IMAGE=python:3.11-slim BACKEND=docker      the usual base, Docker + registry
+# make container GPU=1            bentofile.gpu.yaml: CUDA base, onnxruntime-gpu + TensorRT (unverified)
+# Without MANIFEST, `make optimize` runs first and its serving-manifest.json is used; MANIFEST=path
+# uses that manifest as it is (models imported from another machine; the tests' own store).
+MANIFEST ?=
+BENTO_MANIFEST := $(or $(MANIFEST),serving-manifest.json)
+GPU ?=
+BACKEND ?= podman
+BASE_IMAGE ?=
+LOCAL_BASE_IMAGE := localhost/optiserve-base:bookworm
+BENTOFILE := $(if $(filter 1,$(GPU)),bentofile.gpu.yaml,bentofile.yaml)
+BENTO_NAME := $(if $(filter 1,$(GPU)),optiserve-gpu,optiserve)
+IMAGE ?= $(BENTO_NAME):latest
+BENTO_SOURCES := service.py serving bentofile.yaml bentofile.gpu.yaml deploy/bento/Dockerfile.template
+
+.PHONY: bento container
+
+# The bento is built from a staging copy whose serving-manifest.json is $(BENTO_MANIFEST): the
+# manifest inside the bento then names exactly the models the service collected at build time.
+# Per-endpoint tag overrides are cleared for the same reason. `cd` into the copy: BentoML
+# checks the dockerfile_template against the working directory (bentoml/BentoML#5566).
+bento: setup $(if $(MANIFEST),,optimize)
+	@test -f "$(BENTO_MANIFEST)" || { echo "no serving manifest at $(BENTO_MANIFEST)" >&2; exit 1; }
+	set -e; stage="$$(mktemp -d)"; trap 'rm -rf "$$stage"' EXIT; \
+	cp -R --parents $(BENTO_SOURCES) "$$stage/"; \
+	cp "$(BENTO_MANIFEST)" "$$stage/serving-manifest.json"; \
+	cd "$$stage" && env -u OPTISERVE_CLASSIFY_MODEL -u OPTISERVE_EMBED_MODEL \
+	    OPTISERVE_MANIFEST="$$stage/serving-manifest.json" \
+	    $(abspath $(BENTOML)) build -f $(BENTOFILE) .
+
+# The local base image is built (root, debootstrap) only when it is the one used and missing.
+# containerize runs from / for the same BentoML bug as above (its build context is a temp dir).
+container: bento
+ifeq ($(BACKEND)$(BASE_IMAGE)$(filter 1,$(GPU)),podman)
+	podman image exists $(LOCAL_BASE_IMAGE) || deploy/base-image/build.sh
+endif
+	cd / && $(abspath $(BENTOML)) containerize --backend $(BACKEND) \
+	    $(if $(filter podman buildah,$(BACKEND)),--opt isolation=chroot) \
+	    $(if $(BASE_IMAGE),--opt build-arg=BASE_IMAGE=$(BASE_IMAGE)) \
+	    -t $(IMAGE) $(BENTO_NAME):latest
+	@$(if $(filter docker,$(BACKEND)),docker,podman) image inspect --format '{{.Size}}' $(IMAGE) | \
+	    awk '{ printf "image $(IMAGE): %d MB\n", $$1 / 1000000 }'
