@@ -4,10 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BENTOML := $(VENV)/bin/bentoml
 PORT ?= 3000
-RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
+# Every recipe is optimized and reported; the served ones (those with serving.endpoint) come first.
+SERVED_RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
+RECIPES ?= $(SERVED_RECIPES) $(filter-out $(SERVED_RECIPES),$(wildcard models/*.yaml))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup optimize serve test lint base-image clean loadtest bench
+.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench
 
 setup: $(VENV)/.installed
 
@@ -21,7 +23,11 @@ $(VENV)/.installed: pyproject.toml
 optimize: setup
 	$(PY) -m pipeline $(RECIPES)
 
-serve: optimize
+# Serving needs only the served recipes built: `make optimize` adds the others' reports.
+served-models: setup
+	$(PY) -m pipeline $(SERVED_RECIPES)
+
+serve: served-models
 	$(BENTOML) serve service:Optiserve --port $(PORT)
 
 test: setup
@@ -52,11 +58,11 @@ clean:
 	rm -rf reports serving-manifest.json .pytest_cache
 
 # --- Release: the bento and its container image (README "Release") ----------------------------
-# make bento                      bento `optiserve` from serving-manifest.json (make optimize first)
+# make bento                      bento `optiserve` from serving-manifest.json (served models built first)
 # make container                  image optiserve:latest on the local base image, with podman
 # make container BASE_IMAGE=python:3.11-slim BACKEND=docker      the usual base, Docker + registry
 # make container GPU=1            bentofile.gpu.yaml: CUDA base, onnxruntime-gpu + TensorRT (unverified)
-# Without MANIFEST, `make optimize` runs first and its serving-manifest.json is used; MANIFEST=path
+# Without MANIFEST, the served recipes are built first and their serving-manifest.json is used; MANIFEST=path
 # uses that manifest as it is (models imported from another machine; the tests' own store).
 MANIFEST ?=
 BENTO_MANIFEST := $(or $(MANIFEST),serving-manifest.json)
@@ -75,7 +81,7 @@ BENTO_SOURCES := service.py serving bentofile.yaml bentofile.gpu.yaml deploy/ben
 # manifest inside the bento then names exactly the models the service collected at build time.
 # Per-endpoint tag overrides are cleared for the same reason. `cd` into the copy: BentoML
 # checks the dockerfile_template against the working directory (bentoml/BentoML#5566).
-bento: setup $(if $(MANIFEST),,optimize)
+bento: setup $(if $(MANIFEST),,served-models)
 	@test -f "$(BENTO_MANIFEST)" || { echo "no serving manifest at $(BENTO_MANIFEST)" >&2; exit 1; }
 	set -e; stage="$$(mktemp -d)"; trap 'rm -rf "$$stage"' EXIT; \
 	cp -R --parents $(BENTO_SOURCES) "$$stage/"; \

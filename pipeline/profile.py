@@ -80,9 +80,13 @@ def onnx_runner(path: Path, feeds_for: Callable[[int], dict], settings: EngineSe
     return lambda batch: engine.run(feeds_for(batch))
 
 
+MIN_BATCH_SIZE = 2  # BentoML refuses a batchable API with max_batch_size < 2
+
+
 def choose_batching(points: list[ProfilePoint], *, slo_ms: float, min_gain: float = 0.05) -> Batching:
     """The largest batch that still pays (≥ `min_gain` more throughput than half of it) and that
-    leaves room for one batch in flight ahead of it within the SLO (2 × its p99 ≤ SLO)."""
+    leaves room for one batch in flight ahead of it within the SLO (2 × its p99 ≤ SLO); never
+    below two, since merging two waiting requests costs no more than running them in turn."""
     fitting = [p for p in points if 2 * p.p99_ms <= slo_ms] or points[:1]
     chosen = fitting[0]
     for point in fitting[1:]:
@@ -93,7 +97,9 @@ def choose_batching(points: list[ProfilePoint], *, slo_ms: float, min_gain: floa
         f"batch {chosen.batch_size}: {chosen.throughput:.0f} rows/s, p99 {chosen.p99_ms:.1f} ms; "
         f"doubling gains < {min_gain:.0%} or breaks 2 × p99 ≤ SLO {slo_ms:.0f} ms"
     )
-    return Batching(max_batch_size=chosen.batch_size, max_latency_ms=int(slo_ms), reason=reason)
+    if chosen.batch_size < MIN_BATCH_SIZE:
+        reason += f"; raised to {MIN_BATCH_SIZE}, BentoML's smallest batch"
+    return Batching(max_batch_size=max(MIN_BATCH_SIZE, chosen.batch_size), max_latency_ms=int(slo_ms), reason=reason)
 
 
 def best_point(points: list[ProfilePoint]) -> ProfilePoint:

@@ -95,7 +95,9 @@ class Export(Strict):
 
 class Serving(Strict):
     endpoint: Literal["classify", "embed"] | None = Field(default=None, description="omit to register only")
-    max_batch_size: int | None = Field(default=None, ge=1, le=1024, description="override the profiled value")
+    max_batch_size: int | None = Field(
+        default=None, ge=2, le=1024, description="override the profiled value (BentoML batches at least 2)"
+    )
     max_latency_ms: int | None = Field(
         default=None, ge=1, description="override; BentoML sheds requests it cannot serve within this"
     )

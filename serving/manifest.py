@@ -20,7 +20,7 @@ class Route(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tag: str
     recipe: str
-    max_batch_size: int = Field(ge=1)
+    max_batch_size: int = Field(ge=2)  # BentoML's batchable APIs need at least 2
     max_latency_ms: int = Field(ge=1)
     max_items_per_request: int = Field(ge=1)
 

@@ -187,3 +187,25 @@ def test_malformed_budget_is_a_one_line_error(tiny_text_recipe: dict, tmp_path, 
     recipe = {**tiny_text_recipe, "budget": budget}
     with pytest.raises(RecipeError, match=message.replace(".", r"\.")):
         load_recipe(write(tmp_path / "bad.yaml", recipe))
+
+
+def test_batching_never_goes_below_bentomls_minimum() -> None:
+    from pipeline.profile import ProfilePoint, choose_batching
+
+    flat = [
+        ProfilePoint(batch_size=1, p50_ms=10, p99_ms=12, throughput=100),
+        ProfilePoint(batch_size=2, p50_ms=20, p99_ms=24, throughput=100),
+    ]
+    batching = choose_batching(flat, slo_ms=1000)
+    assert batching.max_batch_size == 2 and "raised to 2" in batching.reason
+
+
+def test_batching_stops_where_doubling_stops_paying_or_the_slo_breaks() -> None:
+    from pipeline.profile import ProfilePoint, choose_batching
+
+    points = [
+        ProfilePoint(batch_size=b, p50_ms=t, p99_ms=t * 1.2, throughput=b / t * 1000)
+        for b, t in [(1, 10), (2, 12), (4, 16), (8, 30), (16, 58), (32, 200)]
+    ]
+    assert choose_batching(points, slo_ms=1000).max_batch_size == 8  # 16 gains only 3 %
+    assert choose_batching([*points[:4], points[5]], slo_ms=100).max_batch_size == 8  # 32 breaks 2×p99 ≤ SLO
