@@ -34,7 +34,7 @@ def table(result: SweepResult) -> Table:
     out = Table(title=f"{result.settings.url}  (SLO p99 {result.settings.slo_ms:g} ms)")
     for column in (level_name, "req/s", "rows/s", "p50", "p90", "p95", "p99", "errors", "windows"):
         out.add_column(column, justify="right")
-    for column in ("queue ms", "infer ms", "batch rows", "front ms"):
+    for column in ("queue ms", "infer ms", "batch rows", "model svc ms", "front ms"):
         out.add_column(column, justify="right", style="cyan")
     for level in result.levels:
         r, latency, server = level.result, level.result.latency_ms, level.server
@@ -49,6 +49,7 @@ def table(result: SweepResult) -> Table:
             _ms(server.queue_ms if server else None),
             _ms(server.inference_ms if server else None),
             _ms(server.batch_rows if server else None),
+            _ms(server.model_service_ms if server else None),
             _ms(server.front_ms if server else None),
         )
     return out

@@ -13,6 +13,7 @@ QUEUE = "optiserve_batch_queue_seconds"
 INFERENCE = "optiserve_inference_seconds"
 ROWS = "optiserve_batch_rows"
 REQUEST_DURATION = "bentoml_service_request_duration_seconds"
+MODEL_METHOD = "/predict"  # the model services' batched method (service.py)
 
 Labels = frozenset[tuple[str, str]]
 Snapshot = dict[tuple[str, Labels], float]
@@ -32,7 +33,11 @@ def parse(text: str) -> Snapshot:
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Means over one span. `front_ms` is BentoML's own duration of the endpoint under test."""
+    """Means over one span. `front_ms` is BentoML's own duration of the endpoint under test;
+    `model_service_ms` its duration of the batched model method (`/predict`) in the model
+    services, so front_ms − model_service_ms is the front's own share (parsing, decoding,
+    the client side of the call) and model_service_ms − queue − inference the model
+    service's (deserialization, batching, serialization)."""
 
     queue_ms: float | None
     inference_ms: float | None
@@ -40,6 +45,7 @@ class Breakdown:
     batches: int
     model_requests: int
     front_ms: float | None
+    model_service_ms: float | None
 
 
 def endpoint_label(path: str) -> str:
@@ -73,4 +79,5 @@ def breakdown(before: Snapshot, after: Snapshot, *, path: str) -> Breakdown | No
         batches=round(delta(INFERENCE, "_count", model)),
         model_requests=round(delta(QUEUE, "_count", model)),
         front_ms=mean(REQUEST_DURATION, {"endpoint": "/" + path.strip("/")}, 1000),
+        model_service_ms=mean(REQUEST_DURATION, {"endpoint": MODEL_METHOD}, 1000),
     )

@@ -119,7 +119,7 @@ def test_cli_sweep_writes_consistent_json_and_plots(server, tmp_path: Path) -> N
         assert level["result"]["errors"] == {}, "the service must not fail under a little concurrency"
         server_side = level["server"]
         assert server_side["inference_ms"] > 0 and server_side["queue_ms"] >= 0 and server_side["batch_rows"] >= 1
-        assert server_side["front_ms"] > 0
+        assert server_side["front_ms"] >= server_side["model_service_ms"] > server_side["inference_ms"] * 0.5
     knee, plan = document["knee"], document["capacity_plan"]
     assert knee["throughput"] == max(level["result"]["throughput"] for level in document["levels"])
     assert plan["replicas"] == math.ceil(50 / (knee["throughput"] * 0.7) - 1e-9)
@@ -172,6 +172,7 @@ def test_queue_inference_and_row_metrics_move_under_load(server, endpoint: str) 
         after = metric_totals(client, endpoint)
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
     assert delta[f"{ROWS}_sum"] == requests * rows  # rows, not requests: every row counted once
-    assert 1 <= delta[f"{ROWS}_count"] <= requests  # concurrent requests share batches
+    # Requests may be split into chunks of max_batch_size rows, and chunks merged into batches.
+    assert 1 <= delta[f"{ROWS}_count"] <= requests * rows
     assert delta[f"{INFERENCE}_count"] == delta[f"{ROWS}_count"] and delta[f"{INFERENCE}_sum"] > 0
     assert delta[f"{QUEUE}_count"] >= requests and delta[f"{QUEUE}_sum"] >= 0
