@@ -142,12 +142,15 @@ def _eager_runner(graph: ServingGraph, data: TaskData):
     return run
 
 
+NOISE_MARGIN = 0.05  # a speed-up smaller than this is within one run's noise on a shared machine
+
+
 def _fp16_on_cpu_only(candidate: Candidate, fp32: Candidate) -> Candidate:
-    """FP16 is for GPU providers; on CPU it is kept only if it measured faster than FP32."""
+    """FP16 is for GPU providers; on CPU it is kept only if it measured clearly faster than FP32."""
     if candidate.variant != "fp16" or not candidate.accepted or available_providers() != ["CPUExecutionProvider"]:
         return candidate
     ratio = best_point(candidate.profile).throughput / best_point(fp32.profile).throughput
-    if ratio > 1:
+    if ratio > 1 + NOISE_MARGIN:
         return candidate
     return candidate.model_copy(
         update={"accepted": False, "reason": f"skipped: on CPU fp16 runs at {ratio:.2f}× FP32 throughput"}
@@ -155,12 +158,16 @@ def _fp16_on_cpu_only(candidate: Candidate, fp32: Candidate) -> Candidate:
 
 
 def select(candidates: list[Candidate], slo_ms: float) -> Candidate:
-    """Highest throughput among accepted variants, counting only batch sizes whose p99 meets the SLO."""
+    """Highest throughput among accepted variants, counting only batch sizes whose p99 meets the
+    SLO; the FP32 reference stays unless another variant beats it by more than the noise margin."""
 
     def throughput_within_slo(candidate: Candidate) -> float:
         return max((p.throughput for p in candidate.profile if p.p99_ms <= slo_ms), default=0.0)
 
-    return max((c for c in candidates if c.accepted), key=throughput_within_slo)
+    reference = candidates[0]
+    floor = throughput_within_slo(reference) * (1 + NOISE_MARGIN)
+    faster = [c for c in candidates[1:] if c.accepted and throughput_within_slo(c) > floor]
+    return max(faster, key=throughput_within_slo, default=reference)
 
 
 def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = False) -> BuildResult:
