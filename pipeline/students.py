@@ -69,6 +69,25 @@ def _batches(count: int, batch_size: int, generator: torch.Generator):
     return [order[i : i + batch_size] for i in range(0, count, batch_size)]
 
 
+def _fit(
+    model: nn.Module, count: int, loss_of: Callable[[torch.Tensor], torch.Tensor], *, epochs: int, seed: int
+) -> nn.Module:
+    """AdamW with a one-cycle schedule over shuffled mini-batches of 64 row indices."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * -(-count // 64))
+    model.train()
+    for _ in range(epochs):
+        for index in _batches(count, 64, generator):
+            loss = loss_of(index)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    return model.eval()
+
+
 def train_classifier(
     model: nn.Module,
     normalize: Callable[[torch.Tensor], torch.Tensor],
@@ -79,20 +98,14 @@ def train_classifier(
     seed: int = 0,
 ) -> nn.Module:
     """Supervised training on uint8 NHWC images, through the same normalization as the graph."""
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
     inputs, targets = normalize(torch.from_numpy(images)), torch.from_numpy(labels).long()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * -(-len(inputs) // 64))
-    model.train()
-    for _ in range(epochs):
-        for index in _batches(len(inputs), 64, generator):
-            loss = nn.functional.cross_entropy(model(inputs[index]), targets[index])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-    return model.eval()
+    return _fit(
+        model,
+        len(inputs),
+        lambda index: nn.functional.cross_entropy(model(inputs[index]), targets[index]),
+        epochs=epochs,
+        seed=seed,
+    )
 
 
 def distill_classifier(
@@ -108,27 +121,18 @@ def distill_classifier(
     seed: int = 0,
 ) -> nn.Module:
     """Hinton-style distillation: alpha·T²·KL(student_T ‖ teacher_T) + (1 − alpha)·CE(labels)."""
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
     inputs, targets = normalize(torch.from_numpy(images)), torch.from_numpy(labels).long()
     with torch.no_grad():
         soft_targets = torch.softmax(teacher.eval()(inputs) / temperature, dim=-1)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=3e-3, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * -(-len(inputs) // 64))
-    student.train()
-    for _ in range(epochs):
-        for index in _batches(len(inputs), 64, generator):
-            logits = student(inputs[index])
-            soft = nn.functional.kl_div(
-                torch.log_softmax(logits / temperature, dim=-1), soft_targets[index], reduction="batchmean"
-            )
-            hard = nn.functional.cross_entropy(logits, targets[index])
-            loss = alpha * temperature**2 * soft + (1 - alpha) * hard
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-    return student.eval()
+
+    def loss_of(index: torch.Tensor) -> torch.Tensor:
+        logits = student(inputs[index])
+        soft = nn.functional.kl_div(
+            torch.log_softmax(logits / temperature, dim=-1), soft_targets[index], reduction="batchmean"
+        )
+        return alpha * temperature**2 * soft + (1 - alpha) * nn.functional.cross_entropy(logits, targets[index])
+
+    return _fit(student, len(inputs), loss_of, epochs=epochs, seed=seed)
 
 
 def evenly_spread(total: int, keep: int) -> list[int]:

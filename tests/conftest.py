@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 
+from bench.processes import wait_ready  # noqa: E402
 from pipeline.build import BuildResult, build  # noqa: E402
 from pipeline.recipe import LoadedRecipe, Profiling, load_recipe  # noqa: E402
 from serving.manifest import ServingManifest, write_manifest  # noqa: E402
@@ -102,7 +102,7 @@ def server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
         )
     running = RunningServer(f"http://127.0.0.1:{port}", process, log)
     try:
-        _wait_ready(running, timeout=240)
+        wait_ready(process, running.url, log, timeout=240)
         yield running
     finally:
         os.killpg(process.pid, 15)
@@ -110,17 +110,3 @@ def server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, 9)
-
-
-def _wait_ready(server: RunningServer, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"bentoml serve exited early:\n{server.log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{server.url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"service not ready after {timeout}s:\n{server.log.read_text()[-4000:]}")
