@@ -47,10 +47,13 @@ def knn_agreement(reference: np.ndarray, candidate: np.ndarray, k: int = 10) -> 
     return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ours, theirs, strict=True)]))
 
 
+def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return (a64 * b64).sum(-1) / (np.linalg.norm(a64, axis=-1) * np.linalg.norm(b64, axis=-1) + 1e-12)
+
+
 def embedding_metrics(reference: np.ndarray, candidate: np.ndarray) -> dict:
-    cosine = (reference * candidate).sum(-1) / (
-        np.linalg.norm(reference, axis=-1) * np.linalg.norm(candidate, axis=-1) + 1e-12
-    )
+    cosine = row_cosines(reference, candidate)
     return {
         "mean_cosine": float(cosine.mean()),
         "min_cosine": float(cosine.min()),

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.evaluate import row_cosines
 from pipeline.export import ServingGraph
 from pipeline.recipe import Recipe
 from pipeline.samples import sample_photos, sample_texts
@@ -54,11 +55,6 @@ def text_batches(tokenizer_file: Path, max_length: int) -> list[dict[str, np.nda
     return [pad_batch(group, tokenizer.pad_id) for group in (rows[:1], rows[1:6], rows)]
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    return (a64 * b64).sum(-1) / (np.linalg.norm(a64, axis=-1) * np.linalg.norm(b64, axis=-1) + 1e-12)
-
-
 def _signature_failures(engine: OnnxEngine, graph: ServingGraph) -> list[str]:
     failures = []
     if engine.input_names != graph.input_names:
@@ -84,7 +80,7 @@ def check_export(
         references.append(expected.numpy())
         candidates.append(engine.run(feeds)[graph.output_names[0]])
     reference, candidate = np.concatenate(references), np.concatenate(candidates)
-    cosines = _cosines(reference, candidate)
+    cosines = row_cosines(reference, candidate)
     is_classifier = recipe.task == "image-classification"
     check = ExportCheck(
         samples=len(reference),

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
 import bentoml
 
+from pipeline.recipe import file_digest
+
 RECIPE_HASH = "recipe_hash"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def find_selected(name: str, recipe_hash: str) -> bentoml.Model | None:
@@ -31,7 +24,7 @@ def find_selected(name: str, recipe_hash: str) -> bentoml.Model | None:
 
 def register(name: str, files: dict[str, Path], *, labels: dict[str, str], metadata: dict) -> bentoml.Model:
     """Copy `files` (store name → source path) into a new model version; record their sha256."""
-    sha256 = {stored: sha256_of(source) for stored, source in files.items()}
+    sha256 = {stored: file_digest(source) for stored, source in files.items()}
     with bentoml.models.create(name, labels=labels, metadata={**metadata, "sha256": sha256}) as model:
         for stored, source in files.items():
             shutil.copyfile(source, Path(model.path) / stored)
@@ -41,4 +34,4 @@ def register(name: str, files: dict[str, Path], *, labels: dict[str, str], metad
 def verify_files(model: bentoml.Model) -> list[str]:
     """Stored files whose content no longer matches the sha256 recorded at registration."""
     recorded: dict[str, str] = model.info.metadata.get("sha256", {})
-    return [name for name, digest in recorded.items() if sha256_of(Path(model.path) / name) != digest]
+    return [name for name, digest in recorded.items() if file_digest(Path(model.path) / name) != digest]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 
-from bench.processes import wait_ready  # noqa: E402
+from bench.processes import free_port, wait_ready  # noqa: E402
 from pipeline.build import BuildResult, build  # noqa: E402
 from pipeline.recipe import LoadedRecipe, Profiling, load_recipe  # noqa: E402
 from serving.manifest import ServingManifest, write_manifest  # noqa: E402
@@ -67,12 +66,6 @@ def manifest_file(
     path = tmp_path_factory.mktemp("manifest") / "serving-manifest.json"
     write_manifest(ServingManifest(**routes), path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

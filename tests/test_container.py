@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 import yaml
 
+from bench.processes import free_port
 from pipeline.samples import sample_photos
 
 pytestmark = pytest.mark.slow
@@ -51,12 +51,6 @@ PIPELINE_ONLY = {"torch", "torchvision", "transformers", "onnx", "neural-compres
 IMAGE_SIZE_LIMIT = 1_000_000_000  # the issue's target for the CPU image
 READY_TIMEOUT_S = 240
 BENTOML_UID = 1034  # deploy/k8s/deployment.yaml runs the pod as this user
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
