@@ -1,7 +1,9 @@
-"""optiserve: a front service (HTTP, decoding, tokenizing) over one batched model service per task.
+"""optiserve: a front service (HTTP, decoding, tokenizing, batching) over one ONNX session per task.
 
 Which stored model serves which endpoint, and its batching settings, come from the serving
-manifest that `make optimize` writes (see serving/manifest.py).
+manifest that `make optimize` writes (see serving/manifest.py). Where the sessions run is
+`OPTISERVE_MODEL_PLACEMENT` (serving/settings.py): in the front worker, batched there by
+BentoML's batcher (default), or in one batched BentoML model service per task.
 """
 
 from __future__ import annotations
@@ -12,36 +14,49 @@ import bentoml
 import numpy as np
 
 from serving.api import app
+from serving.batching import InProcessBatcher
 from serving.classify import ImageClassifier, load_class_names
 from serving.embed import TextEmbedder
 from serving.engine import EngineSettings
-from serving.manifest import load_manifest
+from serving.manifest import Route, load_manifest
 from serving.metrics import ModelMetrics, install_queue_probe
 from serving.model_calls import MODEL_CONNECTIONS, call_model
-from serving.model_runtime import ImageModelRuntime, TextModelRuntime, read_spec
+from serving.model_runtime import load_runtime, read_spec
 from serving.model_spec import TOKENIZER_FILE
-from serving.settings import front_workers
+from serving.settings import front_workers, model_placement
 from serving.text import TextTokenizer
 
 manifest = load_manifest()
 classify_route, embed_route = manifest.classify, manifest.embed
 if classify_route is None and embed_route is None:
     raise RuntimeError("the serving manifest routes no endpoint: nothing to serve")
+IN_PROCESS = model_placement() == "in-process"
 
 MODEL_SERVICE = {"workers": 1, "traffic": {"timeout": 120}, "runner_connection": MODEL_CONNECTIONS}
 
-if classify_route is not None:
+
+class ModelService:
+    """One batched model per worker process: BentoML batches requests from every front worker."""
+
+    endpoint: str
+    route: Route
+    stored: bentoml.Model
+
+    def __init__(self) -> None:
+        settings = EngineSettings.from_environment()
+        self.runtime = load_runtime(
+            self.endpoint, self.stored, max_batch_size=self.route.max_batch_size, settings=settings
+        )
+        self.metrics = ModelMetrics(endpoint=self.endpoint, model=str(self.stored.tag))
+        install_queue_probe(self.metrics.observe_queue_wait)
+
+
+if classify_route is not None and not IN_PROCESS:
 
     @bentoml.service(**MODEL_SERVICE)
-    class ImageModel:
+    class ImageModel(ModelService):
+        endpoint, route = "classify", classify_route
         stored = bentoml.models.BentoModel(classify_route.tag)
-
-        def __init__(self) -> None:
-            spec = read_spec(self.stored.info.metadata)
-            self.runtime = ImageModelRuntime(Path(self.stored.path), spec, EngineSettings.from_environment())
-            self.runtime.warm_up(classify_route.max_batch_size)
-            self.metrics = ModelMetrics(endpoint="classify", model=str(self.stored.tag))
-            install_queue_probe(self.metrics.observe_queue_wait)
 
         @bentoml.api(
             batchable=True,
@@ -53,18 +68,12 @@ if classify_route is not None:
                 return self.runtime.predict(images)
 
 
-if embed_route is not None:
+if embed_route is not None and not IN_PROCESS:
 
     @bentoml.service(**MODEL_SERVICE)
-    class TextModel:
+    class TextModel(ModelService):
+        endpoint, route = "embed", embed_route
         stored = bentoml.models.BentoModel(embed_route.tag)
-
-        def __init__(self) -> None:
-            spec = read_spec(self.stored.info.metadata)
-            self.runtime = TextModelRuntime(Path(self.stored.path), spec, EngineSettings.from_environment())
-            self.runtime.warm_up(embed_route.max_batch_size)
-            self.metrics = ModelMetrics(endpoint="embed", model=str(self.stored.tag))
-            install_queue_probe(self.metrics.observe_queue_wait)
 
         @bentoml.api(
             batchable=True,
@@ -85,11 +94,13 @@ class Optiserve:
     embedder_tag = ""
 
     if classify_route is not None:
-        image_model = bentoml.depends(ImageModel)
         image_stored = bentoml.models.BentoModel(classify_route.tag)
+        if not IN_PROCESS:
+            image_model = bentoml.depends(ImageModel)
     if embed_route is not None:
-        text_model = bentoml.depends(TextModel)
         text_stored = bentoml.models.BentoModel(embed_route.tag)
+        if not IN_PROCESS:
+            text_model = bentoml.depends(TextModel)
 
     def __init__(self) -> None:
         if classify_route is not None:
@@ -98,8 +109,7 @@ class Optiserve:
             self.classifier = ImageClassifier(
                 spec=spec.image,
                 class_names=load_class_names(Path(self.image_stored.path)),
-                # Remote clients gain their methods only after startup, so resolve them per call.
-                predict=lambda images: call_model(self.image_model.to_async.predict, images),
+                predict=self.model_call("classify", self.image_stored, classify_route, remote="image_model"),
                 max_batch_size=classify_route.max_batch_size,
                 max_items_per_request=classify_route.max_items_per_request,
             )
@@ -108,7 +118,21 @@ class Optiserve:
             self.embedder_tag = str(self.text_stored.tag)
             self.embedder = TextEmbedder(
                 tokenizer=TextTokenizer(Path(self.text_stored.path) / TOKENIZER_FILE, max_length=spec.text.max_length),
-                embed_ids=lambda token_ids: call_model(self.text_model.to_async.predict, token_ids),
+                embed_ids=self.model_call("embed", self.text_stored, embed_route, remote="text_model"),
                 max_batch_size=embed_route.max_batch_size,
                 max_items_per_request=embed_route.max_items_per_request,
             )
+
+    def model_call(self, endpoint: str, stored: bentoml.Model, route: Route, *, remote: str):
+        """The batched model as an async function of rows: in this process, or the model service."""
+        if IN_PROCESS:
+            settings = EngineSettings.from_environment(processes=front_workers())
+            runtime = load_runtime(endpoint, stored, max_batch_size=route.max_batch_size, settings=settings)
+            return InProcessBatcher(
+                runtime.predict,
+                max_batch_size=route.max_batch_size,
+                max_latency_ms=route.max_latency_ms,
+                metrics=ModelMetrics(endpoint=endpoint, model=str(stored.tag)),
+            )
+        # Remote clients gain their methods only after startup, so resolve them per call.
+        return lambda rows: call_model(getattr(self, remote).to_async.predict, rows)

@@ -4,7 +4,9 @@ One run, one machine, the same model files and the same inputs (the project's sa
 and texts), the load generator (`loadtest`) in this process:
 
 - limit: in-process decode/tokenize + ONNX Runtime at the best batch size (bench/limit.py);
-- optiserve: `bentoml serve service:Optiserve` over a model store and serving manifest;
+- optiserve: `bentoml serve service:Optiserve` over a model store and serving manifest, with the
+  models in the front process (the default placement); `optiserve-service` is the same with
+  one BentoML model service per model (`OPTISERVE_MODEL_PLACEMENT=service`), for comparison;
 - naive: bench/naive_server.py, FastAPI + PyTorch eager + JSON float lists, one request per
   inference.
 
@@ -41,6 +43,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(default: build both recipes into a temporary store)",
     )
     parser.add_argument("--models", default="image,text", help="which of image,text to measure")
+    parser.add_argument(
+        "--placements",
+        default="in-process,service",
+        help="optiserve model placements to measure; the first is the one held to the targets",
+    )
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop levels for both servers")
     parser.add_argument("--slo-ms", type=float, default=500.0, help="p99 objective that defines the knee")
     parser.add_argument("--warmup", type=float, default=2.0)
@@ -191,7 +198,7 @@ def print_summary(results: dict[str, Any]) -> None:
     for column in ("model", "server", "items/s", "p99 ms at knee", "knee conc.", "p50 ms at c=1 / batch 1"):
         table.add_column(column, justify="right")
     for model, figures in results["models"].items():
-        limit, opt, naive = figures["limit"], figures["optiserve"], figures["naive"]
+        limit = figures["limit"]
         table.add_row(
             model,
             f"limit (batch {limit['best_batch']})",
@@ -200,7 +207,8 @@ def print_summary(results: dict[str, Any]) -> None:
             "-",
             f"{limit['batch1_p50_ms']:.1f}",
         )
-        for name, row in (("optiserve", opt), ("naive", naive)):
+        for name in results["servers"]:
+            row = figures[name]
             table.add_row(
                 model,
                 name,
@@ -235,12 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
     from pipeline.samples import sample_texts
     from serving.manifest import load_manifest
+    from serving.settings import PLACEMENT_ENV
 
     manifest = load_manifest(manifest_path)
     files, texts = sample_photo_files(), sample_texts(SAMPLE_TEXTS)
     results: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"manifest": str(manifest_path)}}
     results["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
     results["models"] = {m: {} for m in models}
+    results["servers"] = []
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
     logs = args.out / f"logs-{stamp}"
 
@@ -261,16 +271,22 @@ def main(argv: list[str] | None = None) -> int:
         results["models"][model]["limit"] = asdict(limit)
 
     env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
-    port = free_port()
-    command = [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--host", "127.0.0.1"]
-    command += ["--port", str(port)]
-    with running(command, url=f"http://127.0.0.1:{port}", env=env, cwd=REPO, log=logs / "optiserve.log") as url:
-        for model in models:
-            if model == "image":
-                payloads, path = image_payloads(files), "/classify"
-            else:
-                payloads, path = text_payloads(texts), "/embed"
-            results["models"][model]["optiserve_sweep"] = sweep(url + path, payloads, args, input_kind=model)
+    placements = [p.strip() for p in args.placements.split(",") if p.strip()]
+    for index, placement in enumerate(placements):
+        name = "optiserve" if index == 0 else f"optiserve-{placement}"
+        results["servers"].append(name)
+        port = free_port()
+        command = [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--host", "127.0.0.1"]
+        command += ["--port", str(port)]
+        placed = {**env, PLACEMENT_ENV: placement}
+        with running(command, url=f"http://127.0.0.1:{port}", env=placed, cwd=REPO, log=logs / f"{name}.log") as url:
+            for model in models:
+                if model == "image":
+                    payloads, path = image_payloads(files), "/classify"
+                else:
+                    payloads, path = text_payloads(texts), "/embed"
+                results["models"][model][f"{name}_sweep"] = sweep(url + path, payloads, args, input_kind=model)
+    results["servers"].append("naive")
 
     port = free_port()
     command = [sys.executable, "-m", "bench.naive_server", "--port", str(port)]
@@ -283,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             results["models"][model]["naive_sweep"] = sweep(url + path, payloads, args, input_kind=model)
 
     for figures in results["models"].values():
-        figures["optiserve"] = served(figures["optiserve_sweep"])
-        figures["naive"] = served(figures["naive_sweep"])
+        for name in results["servers"]:
+            figures[name] = served(figures[f"{name}_sweep"])
         figures["targets"] = verdicts(figures["limit"], figures["optiserve"], figures["naive"])
     results["machine"]["load_average_at_end"] = os.getloadavg()
     results["seconds"] = round(time.monotonic() - started, 1)

@@ -22,12 +22,13 @@ def available_providers() -> list[str]:
     return [p for p in PROVIDER_PREFERENCE if p in installed]
 
 
-def default_intra_op_threads() -> int:
-    """One model worker owns the CPUs it is given; OPTISERVE_ORT_THREADS overrides."""
+def default_intra_op_threads(processes: int = 1) -> int:
+    """The CPUs this process is given, shared by `processes` processes that each hold a session;
+    OPTISERVE_ORT_THREADS overrides."""
     configured = os.environ.get("OPTISERVE_ORT_THREADS")
     if configured:
         return int(configured)
-    return len(os.sched_getaffinity(0))
+    return max(1, len(os.sched_getaffinity(0)) // processes)
 
 
 def spin_from_environment() -> bool:
@@ -48,9 +49,9 @@ class EngineSettings:
     spin: bool = False
 
     @classmethod
-    def from_environment(cls) -> EngineSettings:
+    def from_environment(cls, processes: int = 1) -> EngineSettings:
         return cls(
-            intra_op_threads=default_intra_op_threads(),
+            intra_op_threads=default_intra_op_threads(processes),
             providers=tuple(available_providers()),
             spin=spin_from_environment(),
         )

@@ -13,7 +13,8 @@ three figures the load tester reads to explain a latency:
 - `optiserve_batch_rows{endpoint, model}`: per batch, the rows `predict` received.
 
 How the queue wait is measured, and why this way. BentoML's batcher (`CorkDispatcher`, one per
-batchable method, living in the model worker) stamps every request with `enqueue_time` when it
+batchable method, living in the model worker, or in the front worker with in-process models,
+serving/batching.py) stamps every request with `enqueue_time` when it
 joins the queue and later hands a tuple of those jobs to `outbound_call`, which runs the batch.
 Wrapping `outbound_call` gives the exact wait of every request, in the process that queued it,
 with no clock shared between processes and no guessing which request rode in which batch.
@@ -83,10 +84,11 @@ def instruments() -> Instruments:
 
 
 class ModelMetrics:
-    """The series of one served model; created in its model worker."""
+    """The series of one served model; created where its engine runs."""
 
     def __init__(self, *, endpoint: str, model: str) -> None:
         found = instruments()
+        self.endpoint = endpoint
         labels = {"endpoint": endpoint, "model": model}
         self.queue = found.queue.labels(**labels)
         self.inference = found.inference.labels(**labels)
@@ -107,6 +109,8 @@ class ModelMetrics:
 def install_queue_probe(observe: Callable[[float], None]) -> bool:
     """Report each request's wait in BentoML's batch queue to `observe`; True when installed.
 
+    For model services, whose dispatchers BentoML creates; in-process batchers report their
+    own waits (serving/batching.py).
     One model service per worker process (BentoML's layout), so one probe per process serves
     every batchable method in it. Installing twice is a no-op.
     """

@@ -1,16 +1,17 @@
-"""The batched side: one ONNX session per model worker, fed whole batches by BentoML."""
+"""The batched side: one ONNX session per served model, fed whole batches by BentoML's batcher."""
 
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from serving.engine import EngineSettings, OnnxEngine
 from serving.model_spec import ONNX_FILE, SPEC_KEY, ModelSpec
-from serving.text import pad_batch
+from serving.text import length_groups, pad_batch
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,17 @@ class TextModelRuntime:
         self.engine = OnnxEngine(model_dir / ONNX_FILE, settings)
 
     def predict(self, rows: list[list[int]]) -> np.ndarray:
+        """Rows run in groups of similar length (serving/text.py, `length_groups`)."""
+        groups = length_groups([len(row) for row in rows])
+        if len(groups) == 1:
+            return self._run(rows)
+        embeddings = [self._run([rows[i] for i in group]) for group in groups]
+        merged = np.empty((len(rows), embeddings[0].shape[1]), dtype=embeddings[0].dtype)
+        for group, values in zip(groups, embeddings, strict=True):
+            merged[group] = values
+        return merged
+
+    def _run(self, rows: list[list[int]]) -> np.ndarray:
         feeds = pad_batch(rows, self.spec.text.pad_token_id)
         return self.engine.run(feeds)[self.engine.output_names[0]]
 
@@ -56,3 +68,14 @@ class TextModelRuntime:
             started = time.monotonic()
             self.predict([[1] * length] * batch)
             logger.info("warm-up batch %d x %d tokens: %.1f ms", batch, length, 1000 * (time.monotonic() - started))
+
+
+ModelRuntime = ImageModelRuntime | TextModelRuntime
+RUNTIME_FOR_ENDPOINT: dict[str, type[ModelRuntime]] = {"classify": ImageModelRuntime, "embed": TextModelRuntime}
+
+
+def load_runtime(endpoint: str, stored: Any, *, max_batch_size: int, settings: EngineSettings) -> ModelRuntime:
+    """The session for a stored model (`bentoml.Model`), warmed up at the batch sizes it will see."""
+    runtime = RUNTIME_FOR_ENDPOINT[endpoint](Path(stored.path), read_spec(stored.info.metadata), settings)
+    runtime.warm_up(max_batch_size)
+    return runtime

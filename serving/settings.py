@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
+
+Placement = Literal["in-process", "service"]
+PLACEMENT_ENV = "OPTISERVE_MODEL_PLACEMENT"
 
 
 def front_workers() -> int:
     """Front workers decode and tokenize; one async worker with a thread pool fills two cores."""
     return int(os.environ.get("OPTISERVE_FRONT_WORKERS", "1"))
+
+
+def model_placement() -> Placement:
+    """Where the ONNX sessions run: `in-process` (default) in each front worker, batched there;
+    `service`: one batched BentoML model service per model, called over HTTP. The second suits
+    a GPU shared by many front workers; on CPUs the first saves two process hops per request
+    (BENCHMARKS.md)."""
+    value = os.environ.get(PLACEMENT_ENV, "in-process")
+    if value not in ("in-process", "service"):
+        raise ValueError(f"{PLACEMENT_ENV}={value!r}: expected 'in-process' or 'service'")
+    return value

@@ -60,3 +60,28 @@ def pad_batch(rows: list[list[int]], pad_id: int) -> dict[str, np.ndarray]:
         input_ids[i, : len(row)] = row
         attention_mask[i, : len(row)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+# Padding a merged batch to its longest row costs compute on every padded position. On CPUs,
+# where a transformer's cost is nearly proportional to the tokens it runs and one more engine
+# call costs little, mixed-length texts are better run in groups of similar length. Measured on
+# 2 cores (MiniLM-L6 INT8, random sets of the 64 sample texts, 6-174 tokens), ms per text:
+# sets of 4: padded 8.1-10.7, one by one 6.3-6.4, grouped 5.7-5.9; sets of 8: padded 12.5-13.5,
+# one by one 7.0-7.3, grouped 5.9-6.9.
+MAX_PADDING = 0.25
+
+
+def length_groups(lengths: list[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """Row indices in groups of similar length, shortest first, each padding at most
+    `max_padding` of its real tokens; a group of one row never pads."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+        longest = lengths[index]  # ascending order: the newest row is the group's longest
+        if groups and longest * (len(groups[-1]) + 1) <= (1 + max_padding) * (tokens + longest):
+            groups[-1].append(index)
+            tokens += longest
+        else:
+            groups.append([index])
+            tokens = longest
+    return groups

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,17 +79,15 @@ class RunningServer:
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)
 
 
-@pytest.fixture(scope="session")
-def server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
+@contextmanager
+def serving(manifest_file: Path, log: Path, **env: str) -> Iterator[RunningServer]:
     """A real `bentoml serve` of service.py on a free port, over the test store."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "bentoml.log"
-    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_file)}
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--port", str(port), "--host", "127.0.0.1"],
             cwd=REPO,
-            env=env,
+            env={**os.environ, "OPTISERVE_MANIFEST": str(manifest_file), **env},
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -103,3 +102,24 @@ def server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, 9)
+
+
+@pytest.fixture(scope="session")
+def server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
+    """The default deployment: models in the front process."""
+    with serving(manifest_file, tmp_path_factory.mktemp("server") / "bentoml.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def model_services_server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
+    """The same models, each in its own batched BentoML model service.
+
+    Its own BENTOML_HOME (sharing the model store): `bentoml serve` empties
+    $BENTOML_HOME/prometheus_multiproc_dir at start, which would wipe the metrics of the
+    `server` fixture running beside it."""
+    home = tmp_path_factory.mktemp("bentoml-home")
+    (home / "models").symlink_to(_BENTOML_HOME / "models")
+    log = tmp_path_factory.mktemp("server") / "bentoml.log"
+    with serving(manifest_file, log, OPTISERVE_MODEL_PLACEMENT="service", BENTOML_HOME=str(home)) as running:
+        yield running

@@ -359,7 +359,9 @@ def test_dashboard_queries_are_balanced():
         ("p50 latency", r"histogram_quantile\(0\.50?, .*bentoml_service_request_duration_seconds_bucket"),
         ("p99 latency", r"histogram_quantile\(0\.99, .*bentoml_service_request_duration_seconds_bucket"),
         ("requests in progress", r"\bbentoml_service_request_in_progress\{"),
-        ("adaptive batch size", r"bentoml_service_adaptive_batch_size_bucket"),
+        ("batch rows", r"optiserve_batch_rows_bucket"),
+        ("batch queue wait", r"optiserve_batch_queue_seconds_bucket"),
+        ("inference time", r"optiserve_inference_seconds_bucket"),
         ("errors by status", r"sum by \(http_response_code\)"),
     ],
 )

@@ -12,7 +12,7 @@ from PIL import Image
 from pipeline.samples import encode, sample_photos
 from serving.errors import EmptyInput, InputTooLarge, InvalidInput, UndecodableInput, UnsupportedMediaType
 from serving.images import check_content_type, decode_image, resize_center_crop
-from serving.text import TextTokenizer, check_text_batch, pad_batch
+from serving.text import TextTokenizer, check_text_batch, length_groups, pad_batch
 
 
 def png_bomb(width: int, height: int) -> bytes:
@@ -123,3 +123,17 @@ def test_pad_batch_pads_to_the_longest_row_only() -> None:
     feeds = pad_batch([[1, 2, 3], [4]], pad_id=0)
     assert feeds["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
     assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_length_groups_bound_padding_and_keep_every_row_once() -> None:
+    lengths = [40, 2, 41, 9, 3, 80, 10, 42]
+    groups = length_groups(lengths, max_padding=0.25)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:
+        real = sum(lengths[i] for i in group)
+        assert max(lengths[i] for i in group) * len(group) <= 1.25 * real
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[2, 3], [9, 10], [40, 41, 42], [80]]
+
+
+def test_equal_lengths_form_one_group() -> None:
+    assert length_groups([7, 7, 7]) == [[0, 1, 2]]

@@ -56,6 +56,19 @@ def test_embeddings_match_sentence_transformers(built_models: dict[str, BuildRes
     np.testing.assert_allclose(ours, reference, atol=1e-5)
 
 
+def test_a_mixed_length_batch_embeds_each_text_as_if_alone(built_models: dict[str, BuildResult]) -> None:
+    from serving.text import TextTokenizer
+
+    result = built_models["text-embedder"]
+    runtime = TextModelRuntime(stored_dir(result), read_spec(result.model.info.metadata), EngineSettings(1))
+    tokenizer = TextTokenizer(stored_dir(result) / TOKENIZER_FILE, max_length=256)
+    rows = tokenizer.encode([" ".join(["word"] * n) for n in (40, 2, 41, 9, 3, 80, 10)], truncate=False)
+
+    together = runtime.predict(rows)
+
+    np.testing.assert_allclose(together, np.concatenate([runtime.predict([row]) for row in rows]), atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("name", "inputs"),
     [("image-classifier", ["images"]), ("text-embedder", ["input_ids", "attention_mask"])],

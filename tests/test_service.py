@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,16 +115,22 @@ def test_openapi_lists_the_endpoints(server) -> None:
     assert "image/jpeg" in spec["paths"]["/classify"]["post"]["requestBody"]["content"]
 
 
-def batch_size_counts(metrics: str, service: str) -> tuple[float, float]:
-    """(observations, observations of batch size 1) from BentoML's adaptive batch histogram."""
+def batch_rows(metrics: str, endpoint: str) -> tuple[float, float, float]:
+    """(batches, rows, single-row batches) so far, from optiserve's batch-rows histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    def value(pattern: str) -> float:
-        found = re.findall(pattern + r'[^}]*service_name="' + service + r'"[^}]*\} ([0-9.e+]+)', metrics)
-        return sum(float(v) for v in found)
-
-    return value(r"bentoml_service_adaptive_batch_size_count\{"), value(
-        r'bentoml_service_adaptive_batch_size_bucket\{le="1.0",'
-    )
+    totals = {"count": 0.0, "sum": 0.0, "single": 0.0}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if not sample.name.startswith("optiserve_batch_rows") or sample.labels.get("endpoint") != endpoint:
+                continue
+            if sample.name.endswith("_count"):
+                totals["count"] += sample.value
+            elif sample.name.endswith("_sum"):
+                totals["sum"] += sample.value
+            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == 1.0:
+                totals["single"] += sample.value
+    return totals["count"], totals["sum"], totals["single"]
 
 
 def test_concurrent_requests_are_batched(server) -> None:
@@ -139,12 +144,13 @@ def test_concurrent_requests_are_batched(server) -> None:
         return [r.status_code for r in responses]
 
     with server.client() as client:
-        before = batch_size_counts(client.get("/metrics").text, "ImageModel")
+        before = batch_rows(client.get("/metrics").text, "classify")
         assert asyncio.run(burst()) == [200] * 48
-        after = batch_size_counts(client.get("/metrics").text, "ImageModel")
-    batches, single_batches = after[0] - before[0], after[1] - before[1]
+        after = batch_rows(client.get("/metrics").text, "classify")
+    batches, rows, single_row_batches = (a - b for a, b in zip(after, before, strict=True))
+    assert rows == 48
     assert batches < 48, "every request ran alone"
-    assert single_batches < batches, "no batch larger than one request"
+    assert single_row_batches < batches, "no batch larger than one request"
 
 
 def bomb() -> bytes:
@@ -225,10 +231,26 @@ def test_the_service_still_answers_after_bad_input(server) -> None:
         assert client.post("/classify", files={"image": ("c.jpg", sample_photos()["chelsea"])}).status_code == 200
 
 
+def test_models_in_their_own_services_answer_as_in_process(server, model_services_server) -> None:
+    texts = ["A cat sleeps on the sofa.", "The stock market fell sharply today.", "hello"]
+    answers = []
+    for running in (server, model_services_server):
+        with running.client() as client:
+            classified = client.post("/classify_batch", files=[("images", (n, d)) for n, d in sample_photos().items()])
+            embedded = client.post("/embed", json={"texts": texts})
+        assert classified.status_code == embedded.status_code == 200
+        answers.append((classified.json()["results"], np.asarray(embedded.json()["embeddings"])))
+    (in_process, in_process_vectors), (services, services_vectors) = answers
+    assert [labels(r) for r in in_process] == [labels(r) for r in services]
+    for ours, theirs in zip(in_process, services, strict=True):
+        np.testing.assert_allclose([p["score"] for p in ours], [p["score"] for p in theirs], atol=1e-5)
+    np.testing.assert_allclose(in_process_vectors, services_vectors, atol=1e-5)
+
+
 def test_no_serving_process_loads_torch(server) -> None:
     """The serving image carries no torch: no process of the running service has it mapped."""
     processes = [psutil.Process(server.process.pid), *psutil.Process(server.process.pid).children(recursive=True)]
-    assert len(processes) >= 3  # supervisor, front, model workers
+    assert len(processes) >= 2  # supervisor, front worker (holding the models)
     for process in processes:
         maps = Path(f"/proc/{process.pid}/maps").read_text()
         assert "libtorch" not in maps, f"{process.cmdline()} has torch loaded"
