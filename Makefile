@@ -9,7 +9,7 @@ SERVED_RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
 RECIPES ?= $(SERVED_RECIPES) $(filter-out $(SERVED_RECIPES),$(wildcard models/*.yaml))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench
+.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,12 @@ loadtest: setup
 BENCH_ARGS ?=
 bench: setup
 	$(PY) -m bench.serving $(BENCH_ARGS)
+
+# Every variant of each model's latest pipeline run against its FP32 export, at the batch the
+# optimization targets name (32; text rows of 128 tokens), timed interleaved.
+VARIANT_MODELS ?= image-classifier text-embedder digits-classifier
+bench-variants: setup
+	$(PY) -m bench.variants $(VARIANT_MODELS)
 
 # A Debian bookworm + Python 3.11 base image built from Debian's packages (no registry needed; root).
 base-image:

@@ -62,17 +62,21 @@ def profile(
     active = dict(runners)
     batch = 1
     while batch <= max_batch_size and active:
-        timings: dict[str, list[float]] = {name: [] for name in active}
-        for _ in range(blocks):
-            for name, run in active.items():
-                _timed_block(run, batch, seconds_per_point / blocks, timings[name])
-        for name in list(active):
-            point = _point(batch, timings[name])
+        for name, point in time_interleaved(active, batch, seconds=seconds_per_point, blocks=blocks).items():
             points[name].append(point)
             if point.p99_ms > slo_ms:
                 del active[name]
         batch *= 2
     return points
+
+
+def time_interleaved(runners: dict[str, Run], batch: int, *, seconds: float, blocks: int) -> dict[str, ProfilePoint]:
+    """One point per runner at `batch`: `blocks` rounds, each runner timed for its share in turn."""
+    timings: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(blocks):
+        for name, run in runners.items():
+            _timed_block(run, batch, seconds / blocks, timings[name])
+    return {name: _point(batch, values) for name, values in timings.items()}
 
 
 def onnx_runner(path: Path, feeds_for: Callable[[int], dict], settings: EngineSettings) -> Run:
