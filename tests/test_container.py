@@ -343,10 +343,5 @@ def test_container_stops_and_reports_its_figures(
         print(f"\n[container] {json.dumps(figures)}")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect: the front (optiserve) worker sometimes keeps running after SIGTERM once the model "
-    "workers have finalized, so podman kills it at the timeout (exit 137); also with `bentoml serve` on the host",
-)
 def test_container_exits_cleanly_on_sigterm(stopped: Stopped) -> None:
     assert stopped.exit_code == 0, f"exit code {stopped.exit_code} after {stopped.stop_s:.0f} s:\n{stopped.logs}"
