@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from podman_setup import LOCAL_BASE_IMAGE
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = yaml.safe_load((REPO / "bentofile.yaml").read_text())
 GPU = yaml.safe_load((REPO / "bentofile.gpu.yaml").read_text())
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-LOCAL_BASE_IMAGE = "localhost/optiserve-base:bookworm"
 PIPELINE_ONLY = {"torch", "torchvision", "transformers", "onnx", "onnxscript", "neural-compressor"}
 
 

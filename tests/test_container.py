@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import pytest
 import yaml
+from podman_setup import LOCAL_BASE_IMAGE, RUN_FLAGS
 
 from bench.processes import free_port
 from pipeline.samples import sample_photos
@@ -34,18 +35,6 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 
-LOCAL_BASE_IMAGE = "localhost/optiserve-base:bookworm"
-RUN_FLAGS = [
-    "--runtime",
-    "runc",
-    "--cgroup-manager=cgroupfs",
-    "--ulimit",
-    "nofile=1024:1024",
-    "--ulimit",
-    "nproc=1024:1024",
-    "--network",
-    "host",
-]
 CAT_CLASSES = {"tabby", "tiger cat", "Persian cat", "Siamese cat", "Egyptian cat", "lynx"}
 PIPELINE_ONLY = {"torch", "torchvision", "transformers", "onnx", "neural-compressor", "neural_compressor"}
 IMAGE_SIZE_LIMIT = 1_000_000_000  # the target for the CPU image

@@ -19,6 +19,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from podman_setup import LOCAL_BASE_IMAGE, RUN_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -466,31 +467,17 @@ def test_build_mirror_can_be_overridden(tmp_path):
     assert mirrors["bookworm"] == "http://override.example/debian"
 
 
-BASE_IMAGE = "localhost/optiserve-base:bookworm"
-PODMAN_RUN = [
-    "podman",
-    "run",
-    "--rm",
-    "--runtime",
-    "runc",
-    "--cgroup-manager=cgroupfs",
-    "--ulimit",
-    "nofile=1024:1024",
-    "--ulimit",
-    "nproc=1024:1024",
-    "--network",
-    "host",
-]
+PODMAN_RUN = ["podman", "run", "--rm", *RUN_FLAGS]
 
 
 def base_image_present() -> bool:
     if shutil.which("podman") is None:
         return False
-    exists = subprocess.run(["podman", "image", "exists", BASE_IMAGE], timeout=60, check=False)
+    exists = subprocess.run(["podman", "image", "exists", LOCAL_BASE_IMAGE], timeout=60, check=False)
     return exists.returncode == 0
 
 
-@pytest.mark.skipif(not base_image_present(), reason=f"{BASE_IMAGE} not built (deploy/base-image/build.sh)")
+@pytest.mark.skipif(not base_image_present(), reason=f"{LOCAL_BASE_IMAGE} not built (deploy/base-image/build.sh)")
 def test_base_image_has_python_311_pip_venv_and_the_host_cas():
     script = (
         "import os, ssl, sys, venv\n"
@@ -505,7 +492,7 @@ def test_base_image_has_python_311_pip_venv_and_the_host_cas():
         "print(open(bundle).read())\n"
     )
     result = subprocess.run(
-        [*PODMAN_RUN, BASE_IMAGE, "python3", "-c", script],
+        [*PODMAN_RUN, LOCAL_BASE_IMAGE, "python3", "-c", script],
         capture_output=True,
         text=True,
         timeout=120,

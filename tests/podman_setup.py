@@ -1,0 +1,14 @@
+"""How containers run on these machines (DESIGN.md): the local base image and podman's run flags."""
+
+LOCAL_BASE_IMAGE = "localhost/optiserve-base:bookworm"
+RUN_FLAGS = [
+    "--runtime",
+    "runc",
+    "--cgroup-manager=cgroupfs",
+    "--ulimit",
+    "nofile=1024:1024",
+    "--ulimit",
+    "nproc=1024:1024",
+    "--network",
+    "host",
+]
