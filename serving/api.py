@@ -72,13 +72,25 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return JSONResponse(body, status_code=HTTPStatus.UNPROCESSABLE_ENTITY)
 
 
+INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
+
+
 @app.exception_handler(BentoMLException)
-async def _model_service_error(_: Request, exc: BentoMLException) -> JSONResponse:
-    """Overload and model-worker errors come back from the batched service as BentoML errors."""
+async def _bentoml_error(_: Request, exc: BentoMLException) -> JSONResponse:
+    """Overload (the batcher's 503, in process or in a model service) and model-service errors."""
     status = exc.error_code
+    if status >= 500 and status != HTTPStatus.SERVICE_UNAVAILABLE:
+        return JSONResponse(INTERNAL_ERROR, status_code=status)
     headers = {"Retry-After": "1"} if status in (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS) else None
-    message = str(exc) if status < 500 or status == HTTPStatus.SERVICE_UNAVAILABLE else "model worker error"
-    return JSONResponse({"error": message, "type": "model_service"}, status_code=status, headers=headers)
+    kind = "overloaded" if status == HTTPStatus.SERVICE_UNAVAILABLE else "model_service"
+    return JSONResponse({"error": str(exc), "type": kind}, status_code=status, headers=headers)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    """Our fault (an engine failure, a bug): JSON like every other error, with nothing internal in
+    it. Starlette re-raises the exception after this response, so the traceback reaches the log."""
+    return JSONResponse(INTERNAL_ERROR, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 def _describe(error: dict[str, Any]) -> str:

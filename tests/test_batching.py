@@ -105,3 +105,22 @@ def test_queue_wait_inference_time_and_rows_are_recorded_per_model() -> None:
     assert sample("optiserve_inference_seconds_count") == sample("optiserve_batch_rows_count") >= 1
     assert sample("optiserve_inference_seconds_sum") > 0
     assert sample("optiserve_batch_queue_seconds_count") == 6
+
+
+def test_requests_that_cannot_make_their_deadline_are_shed_as_overload() -> None:
+    from bentoml.exceptions import ServiceUnavailable
+
+    run = InProcessBatcher(
+        RecordingModel(seconds=0.1),
+        max_batch_size=2,
+        max_latency_ms=150,
+        metrics=ModelMetrics(endpoint="shed", model="m:1"),
+    )
+
+    async def flood() -> list:
+        return await asyncio.gather(*(run(np.ones((1, 2))) for _ in range(24)), return_exceptions=True)
+
+    outcomes = asyncio.run(flood())
+    shed = [o for o in outcomes if isinstance(o, ServiceUnavailable)]
+    served = [o for o in outcomes if isinstance(o, np.ndarray)]
+    assert shed and served and len(shed) + len(served) == 24

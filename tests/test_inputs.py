@@ -137,3 +137,43 @@ def test_length_groups_bound_padding_and_keep_every_row_once() -> None:
 
 def test_equal_lengths_form_one_group() -> None:
     assert length_groups([7, 7, 7]) == [[0, 1, 2]]
+
+
+def response_when_a_handler_raises(exc: Exception):
+    """The real app's answer when one of its handlers raises `exc` (a route added for the call)."""
+    from fastapi.testclient import TestClient
+
+    from serving.api import app
+
+    @app.get("/raises-for-this-test")
+    async def raises() -> None:
+        raise exc
+
+    try:
+        with TestClient(app, raise_server_exceptions=False) as client:
+            return client.get("/raises-for-this-test")
+    finally:
+        app.router.routes.pop()
+
+
+def test_a_failure_of_ours_answers_json_500_without_internals() -> None:
+    """A bug of ours, and BentoML's own error when the endpoint runs outside a BentoML service
+    and cannot find its models, answer alike."""
+    from fastapi.testclient import TestClient
+
+    from serving.api import app
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        outside_bentoml = client.post("/embed", json={"texts": ["hello"]})
+    for response in (outside_bentoml, response_when_a_handler_raises(KeyError("internal detail"))):
+        assert response.status_code == HTTPStatus.INTERNAL_SERVER_ERROR
+        assert response.json() == {"error": "internal error while serving the request", "type": "internal"}
+
+
+def test_overload_answers_503_with_retry_after() -> None:
+    from bentoml.exceptions import ServiceUnavailable
+
+    response = response_when_a_handler_raises(ServiceUnavailable("process is overloaded"))
+    assert response.status_code == HTTPStatus.SERVICE_UNAVAILABLE
+    assert response.headers["retry-after"] == "1"
+    assert response.json() == {"error": "process is overloaded", "type": "overloaded"}
