@@ -2,9 +2,9 @@
 
 With the models in separate BentoML services every request crosses two more process
 boundaries (front → model worker → front), each an HTTP exchange with pickled arrays in and
-JSON floats out. On 2 cores that cost +11.8 ms (image) and +5.9 ms (text) at concurrency 1
-over the in-process engine, and a quarter of the throughput (BENCHMARKS.md, serving run 3).
-Here the front keeps the ONNX session and feeds it through the same `CorkDispatcher` that
+JSON floats out. Without them, on 2 cores, the service served 1.22× (image) and 1.26× (text)
+the requests/s at the knee and answered 6.3 and 1.7 ms sooner at concurrency 1 (BENCHMARKS.md,
+serving run 4). Here the front keeps the ONNX session and feeds it through the same `CorkDispatcher` that
 BentoML runs for a `batchable=True` API, so batching behaves as with a model service (cork
 algorithm, `max_batch_size` in rows, `max_latency_ms`, 503 when a request cannot make its
 deadline) without the hops.

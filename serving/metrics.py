@@ -6,7 +6,7 @@ request waited for its batch, how long the engine ran, and how many *rows* a bat
 front chunk of 32 images is one request to BentoML but 32 rows to ONNX Runtime. These are the
 three figures the load tester reads to explain a latency:
 
-- `optiserve_batch_queue_seconds{endpoint, model}`: per request to the model service, the time
+- `optiserve_batch_queue_seconds{endpoint, model}`: per request to the batcher, the time
   from its arrival in BentoML's batch queue to the start of the batch that serves it.
 - `optiserve_inference_seconds{endpoint, model}`: per batch, the time `predict` spends in the
   engine (padding included for text).
