@@ -37,7 +37,8 @@ class Breakdown:
     `model_service_ms` its duration of the batched model method (`/predict`) in the model
     services, so front_ms − model_service_ms is the front's own share (parsing, decoding,
     the client side of the call) and model_service_ms − queue − inference the model
-    service's (deserialization, batching, serialization)."""
+    service's (deserialization, batching, serialization). With the models in the front process
+    (the default) there is no `/predict` and `model_service_ms` is None."""
 
     queue_ms: float | None
     inference_ms: float | None
