@@ -2,8 +2,8 @@
 
 Which stored model serves which endpoint, and its batching settings, come from the serving
 manifest that `make optimize` writes (see serving/manifest.py). Where the sessions run is
-`OPTISERVE_MODEL_PLACEMENT` (serving/settings.py): in the front worker, batched there by
-BentoML's batcher (default), or in one batched BentoML model service per task.
+`OPTISERVE_MODEL_PLACEMENT` (serving/settings.py): in the front worker, behind our batcher with
+admission control (default, serving/batching.py), or in one batched BentoML model service per task.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import bentoml
 import numpy as np
 
 from serving.api import app
-from serving.batching import InProcessBatcher
 from serving.classify import ImageClassifier, load_class_names
 from serving.embed import TextEmbedder
 from serving.engine import EngineSettings
 from serving.manifest import Route, load_manifest
-from serving.metrics import ModelMetrics, install_queue_probe
-from serving.model_calls import MODEL_CONNECTIONS, call_model
+from serving.metrics import ModelMetrics
+from serving.model_calls import MODEL_CONNECTIONS, BatchedModel, RemoteModel, in_process_model
 from serving.model_runtime import load_runtime, read_spec
 from serving.model_spec import TOKENIZER_FILE
+from serving.process import freeze_startup_heap
 from serving.settings import front_workers, model_placement
 from serving.text import TextTokenizer
 
@@ -48,7 +48,6 @@ class ModelService:
             self.endpoint, self.stored, max_batch_size=self.route.max_batch_size, settings=settings
         )
         self.metrics = ModelMetrics(endpoint=self.endpoint, model=str(self.stored.tag))
-        install_queue_probe(self.metrics.observe_queue_wait)
 
 
 if classify_route is not None and not IN_PROCESS:
@@ -109,8 +108,7 @@ class Optiserve:
             self.classifier = ImageClassifier(
                 spec=spec.image,
                 class_names=load_class_names(Path(self.image_stored.path)),
-                predict=self.model_call("classify", self.image_stored, classify_route, remote="image_model"),
-                max_batch_size=classify_route.max_batch_size,
+                model=self.batched_model("classify", self.image_stored, classify_route, remote="image_model"),
                 max_items_per_request=classify_route.max_items_per_request,
             )
         if embed_route is not None:
@@ -118,21 +116,13 @@ class Optiserve:
             self.embedder_tag = str(self.text_stored.tag)
             self.embedder = TextEmbedder(
                 tokenizer=TextTokenizer(Path(self.text_stored.path) / TOKENIZER_FILE, max_length=spec.text.max_length),
-                embed_ids=self.model_call("embed", self.text_stored, embed_route, remote="text_model"),
-                max_batch_size=embed_route.max_batch_size,
+                model=self.batched_model("embed", self.text_stored, embed_route, remote="text_model"),
                 max_items_per_request=embed_route.max_items_per_request,
             )
+        freeze_startup_heap()
 
-    def model_call(self, endpoint: str, stored: bentoml.Model, route: Route, *, remote: str):
-        """The batched model as an async function of rows: in this process, or the model service."""
+    def batched_model(self, endpoint: str, stored: bentoml.Model, route: Route, *, remote: str) -> BatchedModel:
+        """The model in this process behind our batcher, or the model service's batchable API."""
         if IN_PROCESS:
-            settings = EngineSettings.from_environment(processes=front_workers())
-            runtime = load_runtime(endpoint, stored, max_batch_size=route.max_batch_size, settings=settings)
-            return InProcessBatcher(
-                runtime.predict,
-                max_batch_size=route.max_batch_size,
-                max_latency_ms=route.max_latency_ms,
-                metrics=ModelMetrics(endpoint=endpoint, model=str(stored.tag)),
-            )
-        # Remote clients gain their methods only after startup, so resolve them per call.
-        return lambda rows: call_model(getattr(self, remote).to_async.predict, rows)
+            return in_process_model(endpoint, stored, route, processes=front_workers())
+        return RemoteModel(lambda: getattr(self, remote).to_async.predict, route)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import bentoml
 from bentoml.exceptions import BentoMLException
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
@@ -35,8 +35,10 @@ class Front(Protocol):
 
 MAX_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody} for status in (400, 413, 415, 422, 503)
+    status: {"model": ErrorBody} for status in (400, 413, 415, 422, 429, 503)
 }
+DEADLINE_HEADER = "X-Deadline-Ms"
+MAX_DEADLINE_MS = 600_000
 
 
 def _image_body(*, multipart_field: str, many: bool) -> dict[str, Any]:
@@ -61,7 +63,7 @@ app = FastAPI(title="optiserve", docs_url=None, redoc_url=None, openapi_url=None
 
 @app.exception_handler(RequestError)
 async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-    return JSONResponse(exc.to_json(), status_code=exc.status)
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -140,13 +142,28 @@ async def read_uploads(request: Request, field: str) -> tuple[list[ImageUpload],
     )
 
 
+def client_deadline_ms(
+    value: str | None = Header(
+        None,
+        alias=DEADLINE_HEADER,
+        description="Answer within this many milliseconds or refuse at once (503); capped by the server's own",
+    ),
+) -> float | None:
+    """The client's time budget for this request, if it sent one."""
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_DEADLINE_MS:
+        raise InvalidInput(f"{DEADLINE_HEADER} must be whole milliseconds from 1 to {MAX_DEADLINE_MS}, got {value!r}")
+    return float(value)
+
+
 def resolve_top_k(query_value: int | None, form: dict[str, str]) -> int:
     raw = form.get("top_k")
     if query_value is not None:
         return query_value
     if raw is None:
         return 5
-    if not raw.strip().isdigit():
+    if not (raw.strip().isascii() and raw.strip().isdigit()):
         raise InvalidInput(f"top_k must be a positive integer, got {raw!r}")
     return int(raw)
 
@@ -165,13 +182,15 @@ def classifier(service: Front) -> ImageClassifier:
     summary="Classify one image",
 )
 async def classify(
-    request: Request, top_k: int | None = Query(None, ge=1, le=1000, description="How many labels (default 5)")
+    request: Request,
+    top_k: int | None = Query(None, ge=1, le=1000, description="How many labels (default 5)"),
+    deadline_ms: float | None = Depends(client_deadline_ms),
 ) -> ClassifyResponse:
     service = front()
     uploads, form = await read_uploads(request, "image")
     if len(uploads) != 1:
         raise InvalidInput(f"/classify takes one image, got {len(uploads)}; use /classify_batch")
-    (predictions,) = await classifier(service).classify(uploads, resolve_top_k(top_k, form))
+    (predictions,) = await classifier(service).classify(uploads, resolve_top_k(top_k, form), timeout_ms=deadline_ms)
     return ClassifyResponse(model=service.classifier_tag, predictions=predictions)
 
 
@@ -183,11 +202,13 @@ async def classify(
     summary="Classify several images in one request",
 )
 async def classify_batch(
-    request: Request, top_k: int | None = Query(None, ge=1, le=1000, description="How many labels (default 5)")
+    request: Request,
+    top_k: int | None = Query(None, ge=1, le=1000, description="How many labels (default 5)"),
+    deadline_ms: float | None = Depends(client_deadline_ms),
 ) -> ClassifyBatchResponse:
     service = front()
     uploads, form = await read_uploads(request, "images")
-    results = await classifier(service).classify(uploads, resolve_top_k(top_k, form))
+    results = await classifier(service).classify(uploads, resolve_top_k(top_k, form), timeout_ms=deadline_ms)
     return ClassifyBatchResponse(model=service.classifier_tag, results=results)
 
 
@@ -198,11 +219,11 @@ async def classify_batch(
     dependencies=[Depends(require_json)],
     summary="Embed texts",
 )
-async def embed(body: EmbedRequest) -> EmbedResponse:
+async def embed(body: EmbedRequest, deadline_ms: float | None = Depends(client_deadline_ms)) -> EmbedResponse:
     service = front()
     if service.embedder is None:
         raise ModelUnavailable("no text-embedding model is configured in this deployment")
-    vectors, tokens = await service.embedder.embed(body.texts, truncate=body.truncate)
+    vectors, tokens = await service.embedder.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms)
     encoded = encode_base64_f16(vectors) if body.encoding_format == "base64" else vectors.tolist()
     return EmbedResponse(
         model=service.embedder_tag,

@@ -1,84 +1,333 @@
-"""In-process adaptive batching: BentoML's own batcher, run in the front worker beside the model.
+"""In-process adaptive batching with admission control: one queue and one engine thread per model.
 
-With the models in separate BentoML services every request crosses two more process
-boundaries (front → model worker → front), each an HTTP exchange with pickled arrays in and
-JSON floats out. Without them, on 2 cores, the service served 1.22× (image) and 1.26× (text)
-the requests/s at the knee and answered 6.3 and 1.7 ms sooner at concurrency 1 (BENCHMARKS.md,
-serving run 4). Here the front keeps the ONNX session and feeds it through the same `CorkDispatcher` that
-BentoML runs for a `batchable=True` API, so batching behaves as with a model service (cork
-algorithm, `max_batch_size` in rows, `max_latency_ms`, 503 when a request cannot make its
-deadline) without the hops.
+A request is admitted at the door, before its images are decoded or its texts tokenized, only
+if the work already queued ahead of it, at the speed the engine measured on its recent
+batches, leaves time to answer it within its deadline; otherwise it is refused at once (503,
+or 429 when the queue is full) with Retry-After. What is admitted is then served at full speed
+instead of waiting for a deadline it was never going to make (Triton's queue policy, TEI's
+bounded queue).
 
-One thread per model runs the engine, so inference never waits behind decode work in the
-front's shared thread pool, and the dispatcher keeps at most one batch in flight.
+The engine thread forms each batch itself the moment the previous one returns: the requests
+waiting, in arrival order, up to `max_batch_size` rows and, for text, `max_batch_tokens` padded
+tokens. It never waits for a batch to fill: under load the queue fills while the engine runs,
+and a lone request runs at once. Forming batches on the engine thread rather than on the event
+loop keeps the engine busy while the loop is parsing HTTP: under load the loop is the busier
+of the two. Results go back to the loop in one hand-off per batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import math
+import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generic, NoReturn, TypeVar
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
-from bentoml._internal.marshal.dispatcher import CorkDispatcher, Job
-from bentoml._internal.runner.container import AutoContainer
-from bentoml.exceptions import ServiceUnavailable
 
+from serving.errors import DeadlineExpired, DeadlineUnmet, QueueFull, Refused
 from serving.metrics import ModelMetrics
+from serving.text import padded_tokens_bound
 
 Rows = TypeVar("Rows", np.ndarray, list)
+# Weight of the newest batch in the running estimates: about the last ten batches count.
+SMOOTHING = 0.2
 
 
-def _overloaded() -> NoReturn:
-    raise ServiceUnavailable("process is overloaded")
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch_size: int  # rows per engine call
+    max_latency_ms: int  # the longest a request may take from admission to its answer
+    max_queue_rows: int  # rows admitted and not yet running; beyond this, 429
+    max_batch_tokens: int | None = None  # text: padded tokens per engine call (serving/text.py)
+
+    def __post_init__(self) -> None:
+        if min(self.max_batch_size, self.max_latency_ms, self.max_queue_rows, self.max_batch_tokens or 1) < 1:
+            raise ValueError(f"batch limits must be positive: {self}")
 
 
-class _MeteredDispatcher(CorkDispatcher):
-    """Reports each request's wait in the queue, from BentoML's own enqueue stamp."""
-
-    def __init__(self, *args: Any, observe_wait: Callable[[float], None], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._observe_wait = observe_wait
-
-    async def outbound_call(self, inputs_info: tuple[Job, ...], training: bool = False) -> None:
-        started = time.time()  # the clock of Job.enqueue_time
-        for job in inputs_info:
-            self._observe_wait(max(0.0, started - job.enqueue_time))
-        await super().outbound_call(inputs_info, training)
+@dataclass
+class _Pending:
+    rows: np.ndarray | list
+    count: int
+    cost: int  # rows (images) or padded-token bound (texts): the unit the engine speed is kept in
+    longest: int  # texts: tokens of the longest row, and of all rows
+    tokens: int
+    deadline: float
+    enqueued: float
+    future: asyncio.Future
 
 
-class InProcessBatcher(Generic[Rows]):
-    """`await batcher(rows)` runs `predict` on a batch merged from concurrent callers' rows."""
+@dataclass
+class Admission:
+    """A request let in: its deadline, and the rows it reserved in the queue until it is submitted."""
+
+    deadline: float
+    reserved_rows: int
+    reserved_cost: float
+    submitted: bool = False
+
+
+@dataclass
+class _Speed:
+    """Running estimates from the engine's own recent batches, not constants."""
+
+    seconds_per_cost: float | None = None
+    cost_per_row: float | None = None
+
+    def observe_batch(self, seconds: float, cost: int) -> None:
+        self.seconds_per_cost = _smooth(self.seconds_per_cost, seconds / cost)
+
+    def observe_request(self, rows: int, cost: int) -> None:
+        self.cost_per_row = _smooth(self.cost_per_row, cost / rows)
+
+
+def _smooth(current: float | None, sample: float) -> float:
+    return sample if current is None else current + SMOOTHING * (sample - current)
+
+
+@dataclass
+class _Queue:
+    """Everything the loop and the engine thread share, guarded by `lock`."""
+
+    pending: deque[_Pending] = field(default_factory=deque)
+    queued_rows: int = 0
+    queued_cost: int = 0
+    reserved_rows: int = 0
+    reserved_cost: float = 0.0
+    running_cost: int = 0
+    running_since: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Batcher(Generic[Rows]):
+    """`await batcher.run(rows, admission)` runs `predict` on batches merged from concurrent callers."""
 
     def __init__(
         self,
         predict: Callable[[Rows], np.ndarray],
         *,
-        max_batch_size: int,
-        max_latency_ms: int,
+        limits: BatchLimits,
         metrics: ModelMetrics,
+        tokens: bool = False,
     ) -> None:
+        """`tokens`: rows are token-id lists and batches are capped by `max_batch_tokens` too."""
         self._predict = predict
+        self.limits = limits
         self._metrics = metrics
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{metrics.endpoint}")
-        dispatcher = _MeteredDispatcher(
-            max_latency_in_ms=max_latency_ms,
-            max_batch_size=max_batch_size,
-            fallback=_overloaded,
-            get_batch_size=len,
-            observe_wait=metrics.observe_queue_wait,
-        )
-        self._call = dispatcher(self._run_merged)
+        self._tokens = tokens
+        self._queue = _Queue()
+        self._work = threading.Condition(self._queue.lock)
+        self._speed = _Speed(cost_per_row=None if tokens else 1.0)
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
-    async def __call__(self, rows: Rows) -> np.ndarray:
-        return await self._call(rows)
+    # --- the loop's side ---------------------------------------------------------------------
 
-    async def _run_merged(self, parts: Sequence[Rows]) -> list[np.ndarray]:
-        batch, indices = AutoContainer.batches_to_batch(parts, 0)
+    @contextmanager
+    def admit(self, rows: int, *, timeout_ms: float | None = None) -> Iterator[Admission]:
+        """Let a request of `rows` items in, or raise `Refused`; `timeout_ms` (the client's) can only
+        shorten the server's deadline. The reservation is returned when the block exits unsubmitted."""
+        now = time.monotonic()
+        budget_ms = min(self.limits.max_latency_ms, timeout_ms or math.inf)
+        deadline = now + budget_ms / 1000
+        queue, speed = self._queue, self._speed
+        with queue.lock:
+            waiting = queue.queued_rows + queue.reserved_rows
+            if waiting and waiting + rows > self.limits.max_queue_rows:
+                raise self._refuse(
+                    QueueFull(
+                        f"the {self._metrics.endpoint} queue holds {waiting} rows, "
+                        f"its limit is {self.limits.max_queue_rows}",
+                        retry_after_s=self._drain_seconds(now),
+                    )
+                )
+            own_cost = rows * (speed.cost_per_row or 1.0)
+            finish = now + self._drain_seconds(now, extra_cost=own_cost)
+            if finish > deadline:
+                raise self._refuse(
+                    DeadlineUnmet(
+                        f"the {self._metrics.endpoint} model cannot answer within {budget_ms:.0f} ms: "
+                        f"about {1000 * (finish - now):.0f} ms of work is queued",
+                        retry_after_s=finish - deadline,
+                    )
+                )
+            queue.reserved_rows += rows
+            queue.reserved_cost += own_cost
+        admission = Admission(deadline=deadline, reserved_rows=rows, reserved_cost=own_cost)
+        try:
+            yield admission
+        finally:
+            if not admission.submitted:
+                self._release(admission)
+
+    def _drain_seconds(self, now: float, extra_cost: float = 0.0) -> float:
+        """Engine time until everything admitted so far, plus `extra_cost`, has run. Caller holds the lock."""
+        per_cost = self._speed.seconds_per_cost
+        if per_cost is None:  # nothing measured yet: admit, and learn from the first batch
+            return 0.0
+        queue = self._queue
+        running_left = max(0.0, queue.running_since + queue.running_cost * per_cost - now) if queue.running_cost else 0
+        return running_left + (queue.queued_cost + queue.reserved_cost + extra_cost) * per_cost
+
+    def _refuse(self, error: Refused) -> Refused:
+        self._metrics.refused(error.reason)
+        return error
+
+    def _release(self, admission: Admission) -> None:
+        with self._queue.lock:
+            self._queue.reserved_rows -= admission.reserved_rows
+            self._queue.reserved_cost -= admission.reserved_cost
+
+    async def run(self, rows: Rows, admission: Admission) -> np.ndarray:
+        """Outputs for `rows`, in order; rows beyond one batch's caps are split into several."""
+        loop = self._start()
+        now = time.monotonic()
+        pieces = [self._pending(part, admission.deadline, now, loop) for part in self._split(rows)]
+        with self._queue.lock:
+            self._queue.reserved_rows -= admission.reserved_rows
+            self._queue.reserved_cost -= admission.reserved_cost
+            admission.submitted = True
+            for piece in pieces:
+                self._queue.pending.append(piece)
+                self._queue.queued_rows += piece.count
+                self._queue.queued_cost += piece.cost
+                self._speed.observe_request(piece.count, piece.cost)
+            self._work.notify()
+        outputs = await asyncio.gather(*(piece.future for piece in pieces))
+        return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+
+    def _pending(self, rows: Rows, deadline: float, now: float, loop: asyncio.AbstractEventLoop) -> _Pending:
+        if self._tokens:
+            lengths = [len(row) for row in rows]
+            longest, tokens = max(lengths), sum(lengths)
+            cost = padded_tokens_bound(len(rows), longest, tokens)
+        else:
+            longest = tokens = 0
+            cost = len(rows)
+        return _Pending(rows, len(rows), cost, longest, tokens, deadline, now, loop.create_future())
+
+    def _split(self, rows: Rows) -> list[Rows]:
+        """Consecutive parts that each fit one batch (a single over-long text still runs alone)."""
+        parts: list[Rows] = []
+        start = longest = total = 0
+        for index, row in enumerate(rows):
+            length = len(row) if self._tokens else 0
+            if index > start and not self._fits(index - start + 1, max(longest, length), total + length):
+                parts.append(rows[start:index])
+                start, longest, total = index, 0, 0
+            longest, total = max(longest, length), total + length
+        parts.append(rows[start:])
+        return parts
+
+    def _fits(self, rows: int, longest: int, tokens: int) -> bool:
+        """Whether a batch of `rows` rows (texts: of which the longest and the sum in tokens) is within the caps."""
+        limit = self.limits.max_batch_tokens
+        within_tokens = not self._tokens or limit is None or padded_tokens_bound(rows, longest, tokens) <= limit
+        return rows <= self.limits.max_batch_size and within_tokens
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        """The engine thread starts with the first request, on the loop that serves requests."""
         loop = asyncio.get_running_loop()
-        with self._metrics.batch(rows=len(batch)):
-            result = await loop.run_in_executor(self._engine_thread, functools.partial(self._predict, batch))
-        return AutoContainer.batch_to_batches(result, indices, 0)
+        if self._thread is None:
+            name = f"engine-{self._metrics.endpoint}"
+            self._thread = threading.Thread(target=self._engine, args=(loop,), name=name, daemon=True)
+            self._thread.start()
+        return loop
+
+    def _deliver(self, batch: Sequence[_Pending], outputs: np.ndarray | None, error: BaseException | None) -> None:
+        offset = 0
+        for piece in batch:
+            if not piece.future.done():
+                if error is not None:
+                    piece.future.set_exception(error)
+                else:
+                    piece.future.set_result(outputs[offset : offset + piece.count])
+            offset += piece.count
+
+    def close(self) -> None:
+        with self._work:
+            self._closed = True
+            self._work.notify()
+
+    # --- the engine thread's side ------------------------------------------------------------
+
+    def _engine(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            with self._work:
+                while not self._queue.pending and not self._closed:
+                    self._work.wait()
+                if self._closed:
+                    return
+                now = time.monotonic()
+                batch, expired = self._take_batch(now)
+            for piece in batch:
+                self._metrics.observe_queue_wait(now - piece.enqueued)
+            for piece in expired:
+                error = self._refuse(
+                    DeadlineExpired(
+                        f"the {self._metrics.endpoint} queue ran slower than estimated: the request's deadline "
+                        "passed before its turn",
+                        retry_after_s=1.0,
+                    )
+                )
+                loop.call_soon_threadsafe(self._deliver, [piece], None, error)
+            if batch:
+                loop.call_soon_threadsafe(self._deliver, batch, *self._run_batch(batch))
+
+    def _take_batch(self, now: float) -> tuple[list[_Pending], list[_Pending]]:
+        """The waiting requests, oldest first, up to the caps; drops the cancelled and the hopeless.
+        Caller holds the lock."""
+        queue = self._queue
+        batch: list[_Pending] = []
+        expired: list[_Pending] = []
+        rows = cost = longest = total = 0
+        per_cost = self._speed.seconds_per_cost or 0.0
+        while queue.pending:
+            piece = queue.pending[0]
+            if piece.future.cancelled() or now + piece.cost * per_cost > piece.deadline:
+                queue.pending.popleft()
+                queue.queued_rows -= piece.count
+                queue.queued_cost -= piece.cost
+                if not piece.future.cancelled():
+                    expired.append(piece)
+                continue
+            grown_longest, grown_total = max(longest, piece.longest), total + piece.tokens
+            if batch and not self._fits(rows + piece.count, grown_longest, grown_total):
+                break
+            queue.pending.popleft()
+            queue.queued_rows -= piece.count
+            queue.queued_cost -= piece.cost
+            batch.append(piece)
+            rows, cost, longest, total = rows + piece.count, cost + piece.cost, grown_longest, grown_total
+        queue.running_cost, queue.running_since = cost, now
+        return batch, expired
+
+    def _run_batch(self, batch: list[_Pending]) -> tuple[np.ndarray | None, Exception | None]:
+        started = time.perf_counter()
+        outputs, error, rows = None, None, sum(piece.count for piece in batch)
+        try:
+            outputs = self._predict(_merge([piece.rows for piece in batch]))
+        except Exception as exc:  # reaches every caller of this batch, and nothing else
+            error = exc
+        elapsed = time.perf_counter() - started
+        cost = sum(piece.cost for piece in batch)
+        with self._queue.lock:
+            self._queue.running_cost = 0
+            if error is None:
+                self._speed.observe_batch(elapsed, cost)
+        if error is None:
+            self._metrics.observe_batch(seconds=elapsed, rows=rows)
+        return outputs, error
+
+
+def _merge(parts: list) -> np.ndarray | list:
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    return [row for part in parts for row in part]

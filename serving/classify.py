@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,10 +13,9 @@ import numpy as np
 
 from serving.errors import InputTooLarge, InvalidInput
 from serving.images import check_content_type, decode_image, resize_center_crop
+from serving.model_calls import BatchedModel
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
 from serving.schemas import Prediction
-
-Predict = Callable[[np.ndarray], Awaitable[np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -50,27 +49,27 @@ class ImageClassifier:
         *,
         spec: ImageInput,
         class_names: list[str],
-        predict: Predict,
-        max_batch_size: int,
+        model: BatchedModel,
         max_items_per_request: int,
     ) -> None:
         self.spec = spec
         self.class_names = class_names
-        self.predict = predict
-        self.max_batch_size = max_batch_size
+        self.model = model
         self.max_items_per_request = max_items_per_request
 
-    async def classify(self, uploads: list[ImageUpload], top_k: int) -> list[list[Prediction]]:
+    async def classify(
+        self, uploads: list[ImageUpload], top_k: int, *, timeout_ms: float | None = None
+    ) -> list[list[Prediction]]:
+        """Admitted (or refused) before any image is decoded: decoding is the costly part of a request."""
         if not uploads:
             raise InvalidInput("no image in the request")
         if len(uploads) > self.max_items_per_request:
             raise InputTooLarge(f"{len(uploads)} images in one request; the limit is {self.max_items_per_request}")
         if top_k < 1:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
-        pixels = await asyncio.gather(
-            *(anyio.to_thread.run_sync(prepare_image, upload, self.spec) for upload in uploads)
-        )
-        batch = np.stack(pixels)
-        chunks = [batch[start : start + self.max_batch_size] for start in range(0, len(batch), self.max_batch_size)]
-        probabilities = np.concatenate(await asyncio.gather(*(self.predict(c) for c in chunks)))
+        with self.model.admit(len(uploads), timeout_ms=timeout_ms) as admission:
+            pixels = await asyncio.gather(
+                *(anyio.to_thread.run_sync(prepare_image, upload, self.spec) for upload in uploads)
+            )
+            probabilities = await self.model.run(np.stack(pixels), admission)
         return [top_k_predictions(row, self.class_names, top_k) for row in probabilities]

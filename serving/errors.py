@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from http import HTTPStatus
 
 
@@ -17,6 +18,10 @@ class RequestError(Exception):
 
     def to_json(self) -> dict[str, str]:
         return {"error": self.message, "type": self.kind}
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return None
 
 
 class EmptyInput(RequestError):
@@ -48,3 +53,42 @@ class ModelUnavailable(RequestError):
 
     status = HTTPStatus.SERVICE_UNAVAILABLE
     kind = "model_unavailable"
+
+
+class Refused(RequestError):
+    """Admission control turned the request away before any work was spent on it; the client
+    should come back after `retry_after_s` (sent as Retry-After, whole seconds, at least 1)."""
+
+    reason: str
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class QueueFull(Refused):
+    """The model's queue holds as many rows as it may: a client may retry elsewhere or later."""
+
+    status = HTTPStatus.TOO_MANY_REQUESTS
+    kind = "queue_full"
+    reason = "queue_full"
+
+
+class DeadlineUnmet(Refused):
+    """The queue ahead, at the engine's measured speed, would answer after the request's deadline."""
+
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+    kind = "overloaded"
+    reason = "deadline"
+
+
+class DeadlineExpired(Refused):
+    """Admitted, but the queue ran slower than estimated: refused before the engine ran it."""
+
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+    kind = "overloaded"
+    reason = "expired"

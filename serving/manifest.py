@@ -17,11 +17,14 @@ TAG_OVERRIDE_ENV = {"classify": "OPTISERVE_CLASSIFY_MODEL", "embed": "OPTISERVE_
 
 
 class Route(BaseModel):
+    """One endpoint's model and the batching its profile chose (serving/batching.py)."""
+
     model_config = ConfigDict(extra="forbid")
     tag: str
     recipe: str
-    max_batch_size: int = Field(ge=2)  # BentoML's batchable APIs need at least 2
-    max_latency_ms: int = Field(ge=1)
+    max_batch_size: int = Field(ge=2)  # rows per engine call; BentoML's batchable APIs need at least 2
+    max_batch_tokens: int | None = Field(default=None, ge=1)  # text: padded tokens per engine call
+    max_latency_ms: int = Field(ge=1)  # a request's deadline in the server: queue wait plus its batch
     max_items_per_request: int = Field(ge=1)
 
 
@@ -68,6 +71,7 @@ def override_tag(route: Route, tag: str) -> Route:
         update={
             "tag": tag,
             "max_batch_size": batching.get("max_batch_size", route.max_batch_size),
+            "max_batch_tokens": batching.get("max_batch_tokens", route.max_batch_tokens),
             "max_latency_ms": batching.get("max_latency_ms", route.max_latency_ms),
         }
     )

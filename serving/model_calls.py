@@ -1,11 +1,17 @@
-"""The front's calls into the batched model services, hardened against dropped connections.
+"""The front's handle on a batched model: in this process (our batcher) or in a model service.
 
-BentoML's client to a dependency service replaces its aiohttp session every
-`runner_connection.max_requests` requests (default 100) and `max_age` seconds (default 300),
-closing the old session while other requests are still in flight on it. Those requests fail
-with `ServerDisconnectedError`, which reached users as 500s: about 3 % of /classify requests
-at concurrency 4 and more at higher concurrency, measured with `python -m loadtest`. Two
-measures, both through BentoML's public surface:
+Both offer `admit(rows)`, a context in which the request holds its place, and `run(rows,
+admission)`. In process, admission is the batcher's (serving/batching.py). In a BentoML model
+service, BentoML's batcher queues the request on the far side and sheds it with a 503 when
+it cannot make `max_latency_ms`; the front admits everything.
+
+Calls into a model service are hardened against dropped connections. BentoML's client to a
+dependency service replaces its aiohttp session every `runner_connection.max_requests`
+requests (default 100) and `max_age` seconds (default 300), closing the old session while
+other requests are still in flight on it. Those requests fail with `ServerDisconnectedError`,
+which reached users as 500s: about 3 % of /classify requests at concurrency 4 and more at
+higher concurrency, measured with `python -m loadtest`. Two measures, both through BentoML's
+public surface:
 
 - `MODEL_CONNECTIONS` is the model services' `runner_connection` setting: the front's
   loopback connections to a sibling worker are kept instead of being recycled.
@@ -16,11 +22,22 @@ measures, both through BentoML's public surface:
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+import math
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol, TypeVar
 
 import aiohttp
+import numpy as np
+
+from serving.batching import Admission, Batcher, BatchLimits
+from serving.engine import EngineSettings
+from serving.manifest import Route
+from serving.metrics import ModelMetrics
+from serving.model_runtime import load_runtime
+from serving.settings import max_queue_rows
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +45,45 @@ MODEL_CONNECTIONS = {"max_requests": 2**31 - 1, "max_age": 1.0e9}
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+
+class BatchedModel(Protocol):
+    def admit(self, rows: int, *, timeout_ms: float | None = None) -> AbstractContextManager[Admission]: ...
+
+    async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray: ...
+
+
+def in_process_model(endpoint: str, stored, route: Route, *, processes: int) -> Batcher:
+    """The stored model's session in this process, behind our batcher with the route's limits."""
+    settings = EngineSettings.from_environment(processes=processes)
+    runtime = load_runtime(endpoint, stored, max_batch_size=route.max_batch_size, settings=settings)
+    limits = BatchLimits(
+        max_batch_size=route.max_batch_size,
+        max_batch_tokens=route.max_batch_tokens,
+        max_latency_ms=route.max_latency_ms,
+        max_queue_rows=max_queue_rows(route.max_batch_size),
+    )
+    metrics = ModelMetrics(endpoint=endpoint, model=str(stored.tag))
+    return Batcher(runtime.predict, limits=limits, metrics=metrics, tokens=endpoint == "embed")
+
+
+class RemoteModel:
+    """A model service's batchable `predict`, called in chunks of at most its batch size."""
+
+    def __init__(self, predict: Callable[[], Callable[[np.ndarray | list], Awaitable[np.ndarray]]], route: Route):
+        """`predict` returns the client method: BentoML gives remote clients their methods only
+        after startup, so it is looked up per call."""
+        self._predict = predict
+        self._route = route
+
+    @contextmanager
+    def admit(self, rows: int, *, timeout_ms: float | None = None) -> Iterator[Admission]:
+        yield Admission(deadline=math.inf, reserved_rows=0, reserved_cost=0.0)
+
+    async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray:
+        size = self._route.max_batch_size
+        chunks = [rows[start : start + size] for start in range(0, len(rows), size)]
+        return np.concatenate(await asyncio.gather(*(call_model(self._predict(), c) for c in chunks)))
 
 
 async def call_model(call: Callable[[In], Awaitable[Out]], value: In) -> Out:

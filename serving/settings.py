@@ -23,3 +23,9 @@ def model_placement() -> Placement:
     if value not in ("in-process", "service"):
         raise ValueError(f"{PLACEMENT_ENV}={value!r}: expected 'in-process' or 'service'")
     return value
+
+
+def max_queue_rows(max_batch_size: int) -> int:
+    """Rows a model's queue may hold (admitted, not yet running) before it answers 429: bounds
+    memory whatever the deadline. `OPTISERVE_MAX_QUEUE_ROWS` overrides; default 32 full batches."""
+    return int(os.environ.get("OPTISERVE_MAX_QUEUE_ROWS", 32 * max_batch_size))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -85,3 +86,14 @@ def length_groups(lengths: list[int], max_padding: float = MAX_PADDING) -> list[
             groups.append([index])
             tokens = longest
     return groups
+
+
+def padded_tokens(lengths: list[int]) -> int:
+    """Token positions the engine runs for rows of these lengths, padding of their length groups included."""
+    return sum(len(group) * max(lengths[i] for i in group) for group in length_groups(lengths))
+
+
+def padded_tokens_bound(rows: int, longest: int, total: int) -> int:
+    """An upper bound of `padded_tokens` from running figures alone (the batcher adds rows one at a
+    time): no more than padding every row to the longest, nor than `MAX_PADDING` over the real tokens."""
+    return min(rows * longest, math.ceil(total * (1 + MAX_PADDING)))

@@ -1,4 +1,4 @@
-"""The in-process batcher: BentoML's dispatcher merging concurrent callers' rows in the front."""
+"""The in-process batcher: merging concurrent callers' rows, caps, failures, admission control."""
 
 from __future__ import annotations
 
@@ -9,44 +9,70 @@ import time
 import numpy as np
 import pytest
 
-from serving.batching import InProcessBatcher
+from serving.batching import Batcher, BatchLimits
+from serving.errors import DeadlineExpired, DeadlineUnmet, QueueFull
 from serving.metrics import ModelMetrics
+from serving.text import padded_tokens
 
 
 class RecordingModel:
     """A real (tiny) model: doubles its rows, slowly enough for callers to queue up."""
 
-    def __init__(self, seconds: float = 0.02) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds_per_batch: float = 0.02, seconds_per_row: float = 0.0) -> None:
+        self.seconds_per_batch = seconds_per_batch
+        self.seconds_per_row = seconds_per_row
         self.batches: list[int] = []
         self.threads: set[str] = set()
 
     def __call__(self, rows: np.ndarray) -> np.ndarray:
         self.batches.append(len(rows))
         self.threads.add(threading.current_thread().name)
-        time.sleep(self.seconds)
+        time.sleep(self.seconds_per_batch + self.seconds_per_row * len(rows))
         return np.asarray(rows, dtype=np.float32) * 2
 
 
-def batcher(model, *, max_batch_size: int = 8, endpoint: str = "test") -> InProcessBatcher:
-    return InProcessBatcher(
-        model,
-        max_batch_size=max_batch_size,
-        max_latency_ms=10_000,
-        metrics=ModelMetrics(endpoint=endpoint, model="m:1"),
-    )
+class TokenModel:
+    """Embeds a token row as [its length, its first id]; records each batch's rows."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[list[int]]] = []
+
+    def __call__(self, rows: list[list[int]]) -> np.ndarray:
+        self.batches.append(rows)
+        time.sleep(0.01)
+        return np.asarray([[len(row), row[0]] for row in rows], dtype=np.float32)
 
 
-async def call_concurrently(run: InProcessBatcher, requests: list) -> list[np.ndarray]:
-    return await asyncio.gather(*(run(r) for r in requests))
+def limits(**changes) -> BatchLimits:
+    return BatchLimits(**{"max_batch_size": 8, "max_latency_ms": 10_000, "max_queue_rows": 10_000, **changes})
+
+
+def make_batcher(model, *, endpoint: str = "test", tokens: bool = False, **changes) -> Batcher:
+    return Batcher(model, limits=limits(**changes), metrics=ModelMetrics(endpoint=endpoint, model="m:1"), tokens=tokens)
+
+
+async def submit(batcher: Batcher, rows, *, timeout_ms: float | None = None) -> np.ndarray:
+    """One request's whole path through the batcher: admission, then its rows."""
+    with batcher.admit(len(rows), timeout_ms=timeout_ms) as admission:
+        return await batcher.run(rows, admission)
+
+
+async def together(batcher: Batcher, requests: list, **kwargs) -> list:
+    return await asyncio.gather(*(submit(batcher, r, **kwargs) for r in requests), return_exceptions=True)
+
+
+def sample(name: str, endpoint: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, {"endpoint": endpoint, "model": "m:1", **labels}) or 0.0
 
 
 def test_concurrent_callers_share_batches_and_get_their_own_rows_back() -> None:
     model = RecordingModel()
-    run = batcher(model, max_batch_size=8)
+    batcher = make_batcher(model, max_batch_size=8)
     requests = [np.full((1 + i % 3, 4), i, dtype=np.float32) for i in range(40)]
 
-    results = asyncio.run(call_concurrently(run, requests))
+    results = asyncio.run(together(batcher, requests))
 
     for request, result in zip(requests, results, strict=True):
         np.testing.assert_array_equal(result, request * 2)
@@ -55,72 +81,176 @@ def test_concurrent_callers_share_batches_and_get_their_own_rows_back() -> None:
     assert max(model.batches) <= 8, "a batch exceeded max_batch_size rows"
 
 
-def test_token_rows_are_merged_as_lists() -> None:
-    def lengths(rows: list[list[int]]) -> np.ndarray:
-        return np.asarray([[len(row)] for row in rows], dtype=np.float32)
+def test_a_request_larger_than_a_batch_is_split_and_reassembled_in_order() -> None:
+    model = RecordingModel(seconds_per_batch=0)
+    rows = np.arange(20, dtype=np.float32).reshape(10, 2)
 
-    run = batcher(lengths, max_batch_size=4)
-    requests = [[[1] * (i + 1), [2] * (i + 2)] for i in range(6)]
+    (result,) = asyncio.run(together(make_batcher(model, max_batch_size=4), [rows]))
 
-    results = asyncio.run(call_concurrently(run, requests))
-
-    assert [r.ravel().tolist() for r in results] == [[i + 1, i + 2] for i in range(6)]
+    np.testing.assert_array_equal(result, rows * 2)
+    assert model.batches == [4, 4, 2]
 
 
-def test_the_engine_runs_on_its_own_thread() -> None:
-    model = RecordingModel(seconds=0)
-    asyncio.run(call_concurrently(batcher(model, endpoint="thread"), [np.ones((1, 2))] * 5))
-    assert model.threads == {"engine-thread_0"}
+def test_text_batches_stay_within_the_token_budget_and_rows_come_back_in_order() -> None:
+    model = TokenModel()
+    batcher = make_batcher(model, tokens=True, max_batch_size=64, max_batch_tokens=100)
+    requests = [[[i] * (5 + 7 * (i % 4)) for _ in range(1 + i % 3)] for i in range(30)]
+
+    results = asyncio.run(together(batcher, requests))
+
+    for request, result in zip(requests, results, strict=True):
+        assert result.tolist() == [[len(row), row[0]] for row in request]
+    for batch in model.batches:
+        lengths = [len(row) for row in batch]
+        assert padded_tokens(lengths) <= 100 or len(batch) == 1, lengths
+    assert any(len(batch) > 3 for batch in model.batches), "short texts were not merged"
 
 
-def test_a_failing_batch_fails_its_callers_and_the_next_batch_runs() -> None:
-    calls = []
+def test_a_text_longer_than_the_token_budget_still_runs_alone() -> None:
+    model = TokenModel()
+    batcher = make_batcher(model, tokens=True, max_batch_tokens=50)
 
-    def fails_once(rows: np.ndarray) -> np.ndarray:
-        calls.append(len(rows))
-        if len(calls) == 1:
-            raise RuntimeError("engine error")
+    (result,) = asyncio.run(together(batcher, [[[7] * 200]]))
+
+    assert result.tolist() == [[200, 7]]
+    assert model.batches == [[[7] * 200]]
+
+
+def test_the_engine_runs_on_one_thread_of_its_own() -> None:
+    model = RecordingModel(seconds_per_batch=0)
+    asyncio.run(together(make_batcher(model, endpoint="thread"), [np.ones((1, 2))] * 5))
+    assert model.threads == {"engine-thread"}
+
+
+def test_one_failure_reaches_every_caller_of_that_batch_and_no_other() -> None:
+    def fails_on_marked_rows(rows: np.ndarray) -> np.ndarray:
+        time.sleep(0.02)
+        if (rows < 0).any():
+            raise RuntimeError("bad batch")
         return np.asarray(rows)
 
-    run = batcher(fails_once)
+    batcher = make_batcher(fails_on_marked_rows, max_batch_size=4)
+    # A blocker fills the engine; then a batch of four with one poisoned row, then four clean ones.
+    requests = [np.ones((4, 1)), np.ones((1, 1)), -np.ones((1, 1)), np.ones((2, 1)), *[np.full((1, 1), 5.0)] * 4]
 
-    async def scenario() -> None:
-        with pytest.raises(RuntimeError, match="engine error"):
-            await run(np.ones((1, 2)))
-        np.testing.assert_array_equal(await run(np.zeros((2, 2))), np.zeros((2, 2)))
+    outcomes = asyncio.run(together(batcher, requests))
 
-    asyncio.run(scenario())
+    assert isinstance(outcomes[0], np.ndarray)
+    assert all(isinstance(o, RuntimeError) for o in outcomes[1:4]), outcomes[1:4]
+    assert all(isinstance(o, np.ndarray) for o in outcomes[4:]), outcomes[4:]
 
 
 def test_queue_wait_inference_time_and_rows_are_recorded_per_model() -> None:
-    from prometheus_client import REGISTRY
+    asyncio.run(together(make_batcher(RecordingModel(), endpoint="metered"), [np.ones((2, 3))] * 6))
 
-    def sample(name: str) -> float:
-        return REGISTRY.get_sample_value(name, {"endpoint": "metered", "model": "m:1"}) or 0.0
-
-    requests = [np.ones((2, 3))] * 6
-    asyncio.run(call_concurrently(batcher(RecordingModel(), endpoint="metered"), requests))
-
-    assert sample("optiserve_batch_rows_sum") == 12
-    assert sample("optiserve_inference_seconds_count") == sample("optiserve_batch_rows_count") >= 1
-    assert sample("optiserve_inference_seconds_sum") > 0
-    assert sample("optiserve_batch_queue_seconds_count") == 6
+    assert sample("optiserve_batch_rows_sum", "metered") == 12
+    assert sample("optiserve_inference_seconds_count", "metered") == sample("optiserve_batch_rows_count", "metered")
+    assert sample("optiserve_inference_seconds_sum", "metered") > 0
+    assert sample("optiserve_batch_queue_seconds_count", "metered") == 6
 
 
-def test_requests_that_cannot_make_their_deadline_are_shed_as_overload() -> None:
-    from bentoml.exceptions import ServiceUnavailable
+def test_requests_the_queue_cannot_serve_in_time_are_refused_at_the_door_and_the_admitted_meet_it() -> None:
+    """10 ms per row; a 200 ms deadline: about 20 rows' worth is admitted, the rest refused at once."""
+    model = RecordingModel(seconds_per_batch=0.002, seconds_per_row=0.01)
+    batcher = make_batcher(model, endpoint="door", max_batch_size=4, max_latency_ms=200)
 
-    run = InProcessBatcher(
-        RecordingModel(seconds=0.1),
-        max_batch_size=2,
-        max_latency_ms=150,
-        metrics=ModelMetrics(endpoint="shed", model="m:1"),
-    )
+    async def flood() -> list[tuple[object, float]]:
+        await submit(batcher, np.ones((4, 1)))  # the batcher learns the engine's speed
 
-    async def flood() -> list:
-        return await asyncio.gather(*(run(np.ones((1, 2))) for _ in range(24)), return_exceptions=True)
+        async def timed() -> tuple[object, float]:
+            started = time.perf_counter()
+            try:
+                outcome: object = await submit(batcher, np.ones((1, 1)))
+            except (DeadlineUnmet, DeadlineExpired) as exc:
+                outcome = exc
+            return outcome, time.perf_counter() - started
+
+        return await asyncio.gather(*(timed() for _ in range(100)))
 
     outcomes = asyncio.run(flood())
-    shed = [o for o in outcomes if isinstance(o, ServiceUnavailable)]
-    served = [o for o in outcomes if isinstance(o, np.ndarray)]
-    assert shed and served and len(shed) + len(served) == 24
+
+    served = [seconds for outcome, seconds in outcomes if isinstance(outcome, np.ndarray)]
+    refused = [(o, seconds) for o, seconds in outcomes if isinstance(o, DeadlineUnmet)]
+    assert 10 <= len(served) <= 40, len(served)
+    assert len(refused) >= 50
+    assert max(served) <= 0.2 * 1.25, "an admitted request missed its deadline by far"
+    assert max(seconds for _, seconds in refused) < 0.2, "refusals were not answered at once"
+    assert all(o.headers["Retry-After"].isdigit() for o, _ in refused)
+    assert sample("optiserve_refused_total", "door", reason="deadline") == len(refused)
+
+
+async def behind_a_busy_engine(batcher: Batcher, *, timeout_ms: float) -> object:
+    """One request sent behind two 50 ms batches: it would be answered after about 0.15 s."""
+    await submit(batcher, np.ones((1, 1)))  # the batcher learns the engine's speed
+    busy = [asyncio.ensure_future(submit(batcher, np.ones((1, 1)))) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    (outcome,) = await together(batcher, [np.ones((1, 1))], timeout_ms=timeout_ms)
+    await asyncio.gather(*busy)
+    return outcome
+
+
+def test_a_client_deadline_shorter_than_the_servers_refuses_what_the_server_would_admit() -> None:
+    patient = make_batcher(RecordingModel(0.05), endpoint="client-short", max_batch_size=1, max_latency_ms=10_000)
+
+    async def scenario() -> tuple[object, object]:
+        return (
+            await behind_a_busy_engine(patient, timeout_ms=60_000),
+            await behind_a_busy_engine(patient, timeout_ms=60),
+        )
+
+    unhurried, hurried = asyncio.run(scenario())
+
+    assert isinstance(unhurried, np.ndarray)
+    assert isinstance(hurried, DeadlineUnmet)
+
+
+def test_a_client_deadline_longer_than_the_servers_does_not_extend_it() -> None:
+    strict = make_batcher(RecordingModel(0.05), endpoint="client-long", max_batch_size=1, max_latency_ms=120)
+
+    assert isinstance(asyncio.run(behind_a_busy_engine(strict, timeout_ms=60_000)), DeadlineUnmet)
+
+
+def test_a_full_queue_answers_429_with_retry_after() -> None:
+    batcher = make_batcher(RecordingModel(seconds_per_batch=0.05), endpoint="full", max_batch_size=2, max_queue_rows=6)
+
+    outcomes = asyncio.run(together(batcher, [np.ones((1, 1))] * 20))
+
+    full = [o for o in outcomes if isinstance(o, QueueFull)]
+    assert full and all(o.status == 429 and "Retry-After" in o.headers for o in full)
+    assert sum(isinstance(o, np.ndarray) for o in outcomes) >= 6
+    assert sample("optiserve_refused_total", "full", reason="queue_full") == len(full)
+
+
+def test_a_request_that_fails_before_submitting_gives_its_place_back() -> None:
+    batcher = make_batcher(RecordingModel(seconds_per_batch=0), endpoint="release", max_queue_rows=4)
+
+    async def scenario() -> np.ndarray:
+        for _ in range(3):
+            with pytest.raises(ValueError), batcher.admit(4):
+                raise ValueError("undecodable image")
+        return await submit(batcher, np.ones((4, 1)))
+
+    np.testing.assert_array_equal(asyncio.run(scenario()), np.ones((4, 1)) * 2)
+
+
+def test_an_admitted_request_whose_deadline_passes_in_the_queue_is_refused_without_running() -> None:
+    """The estimate can be wrong (a batch slower than the ones before): the late request is
+    answered 503 and the engine never spends time on it."""
+    slow_after = threading.Event()
+
+    def speeds_then_stalls(rows: np.ndarray) -> np.ndarray:
+        time.sleep(0.3 if slow_after.is_set() else 0.001)
+        return np.asarray(rows)
+
+    batcher = make_batcher(speeds_then_stalls, endpoint="expired", max_batch_size=1, max_latency_ms=100)
+
+    async def scenario() -> list:
+        await submit(batcher, np.ones((1, 1)))
+        slow_after.set()
+        return await together(batcher, [np.ones((1, 1)), np.full((1, 1), 2.0)])
+
+    stalled, late = asyncio.run(scenario())
+
+    assert isinstance(stalled, np.ndarray)
+    assert isinstance(late, DeadlineExpired) and late.status == 503
+    assert sample("optiserve_refused_total", "expired", reason="expired") == 1

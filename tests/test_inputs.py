@@ -10,7 +10,16 @@ import pytest
 from PIL import Image
 
 from pipeline.samples import encode, sample_photos
-from serving.errors import EmptyInput, InputTooLarge, InvalidInput, UndecodableInput, UnsupportedMediaType
+from serving.errors import (
+    DeadlineUnmet,
+    EmptyInput,
+    InputTooLarge,
+    InvalidInput,
+    QueueFull,
+    Refused,
+    UndecodableInput,
+    UnsupportedMediaType,
+)
 from serving.images import check_content_type, decode_image, resize_center_crop
 from serving.text import TextTokenizer, check_text_batch, length_groups, pad_batch
 
@@ -170,7 +179,22 @@ def test_a_failure_of_ours_answers_json_500_without_internals() -> None:
         assert response.json() == {"error": "internal error while serving the request", "type": "internal"}
 
 
-def test_overload_answers_503_with_retry_after() -> None:
+@pytest.mark.parametrize(
+    ("refusal", "status", "retry_after"),
+    [
+        (DeadlineUnmet("cannot answer within 500 ms", retry_after_s=0.2), HTTPStatus.SERVICE_UNAVAILABLE, "1"),
+        (QueueFull("the queue is full", retry_after_s=2.5), HTTPStatus.TOO_MANY_REQUESTS, "3"),
+    ],
+)
+def test_refusals_answer_their_status_with_retry_after(refusal: Refused, status: int, retry_after: str) -> None:
+    response = response_when_a_handler_raises(refusal)
+    assert response.status_code == status
+    assert response.headers["retry-after"] == retry_after
+    assert response.json() == {"error": refusal.message, "type": refusal.kind}
+
+
+def test_a_model_service_shedding_load_answers_503_with_retry_after() -> None:
+    """With the models in BentoML model services, BentoML's batcher sheds overload itself."""
     from bentoml.exceptions import ServiceUnavailable
 
     response = response_when_a_handler_raises(ServiceUnavailable("process is overloaded"))

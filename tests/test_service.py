@@ -231,6 +231,64 @@ def test_the_service_still_answers_after_bad_input(server) -> None:
         assert client.post("/classify", files={"image": ("c.jpg", sample_photos()["chelsea"])}).status_code == 200
 
 
+JPEG = {"content-type": "image/jpeg"}
+
+
+def refusals(client: httpx.Client, endpoint: str) -> dict[str, float]:
+    """optiserve_refused_total by reason, for one endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "optiserve_refused_total" and sample.labels["endpoint"] == endpoint:
+                found[sample.labels["reason"]] = found.get(sample.labels["reason"], 0.0) + sample.value
+    return found
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_and_the_next_is_served(server) -> None:
+    photo = sample_photos()["chelsea"]
+    with server.client() as client:
+        assert client.post("/classify", content=photo, headers=JPEG).status_code == 200  # the engine's speed, measured
+        before = refusals(client, "classify").get("deadline", 0.0)
+        refused = client.post("/classify", content=photo, headers={**JPEG, "X-Deadline-Ms": "1"})
+        served = client.post("/classify", content=photo, headers=JPEG)
+        after = refusals(client, "classify").get("deadline", 0.0)
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["type"] == "overloaded" and "within 1 ms" in refused.json()["error"]
+    assert int(refused.headers["retry-after"]) >= 1
+    assert served.status_code == 200
+    assert after == before + 1
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "1.5", "99999999"])
+def test_a_malformed_deadline_header_is_a_422_naming_it(server, value: str) -> None:
+    with server.client() as client:
+        response = client.post("/embed", json={"texts": ["hello"]}, headers={"X-Deadline-Ms": value})
+    assert response.status_code == 422
+    assert "X-Deadline-Ms" in response.json()["error"]
+
+
+def test_a_flood_gets_answers_or_fast_refusals_with_retry_after_and_the_service_recovers(server) -> None:
+    """64 requests of 7 photos at once, each allowed 400 ms: seconds of work for 2 cores."""
+    files = [("images", (f"{name}.img", data)) for name, data in sample_photos().items()]
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(
+                *(client.post("/classify_batch", files=files, headers={"X-Deadline-Ms": "400"}) for _ in range(64))
+            )
+
+    responses = asyncio.run(flood())
+
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) == {200, 503}, statuses
+    assert all(r.headers["retry-after"].isdigit() for r in responses if r.status_code == 503)
+    assert all(r.json()["type"] == "overloaded" for r in responses if r.status_code == 503)
+    with server.client() as client:
+        assert client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG).status_code == 200
+
+
 def test_models_in_their_own_services_answer_as_in_process(server, model_services_server) -> None:
     texts = ["A cat sleeps on the sofa.", "The stock market fell sharply today.", "hello"]
     answers = []
