@@ -13,6 +13,7 @@ from rich.table import Table
 
 from pipeline.build import build
 from pipeline.export_check import ExportCheckError
+from pipeline.profile import Batching
 from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
 from pipeline.report import write_report
 from serving.manifest import DEFAULT_MANIFEST, ServingManifest, write_manifest
@@ -39,6 +40,11 @@ def load_all(paths: list[Path]) -> list[LoadedRecipe]:
             raise RecipeError(f"{item.path}: serving.endpoint: {endpoint!r} is already served by {seen[endpoint]}")
         seen[endpoint] = item.path
     return loaded
+
+
+def batching_summary(batching: Batching) -> str:
+    tokens = "" if batching.max_batch_tokens is None else f", {batching.max_batch_tokens} tokens"
+    return f"{batching.max_batch_size} rows{tokens}, {batching.max_latency_ms} ms"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,20 +77,13 @@ def main(argv: list[str] | None = None) -> int:
             progress.advance(overall)
             if loaded.recipe.serving.endpoint is not None:
                 routes[loaded.recipe.serving.endpoint] = result.route(loaded)
-            report = write_report(
-                loaded.recipe,
-                result.candidates,
-                result.eager,
-                served=str(result.model.tag),
-                batching=result.batching.reason,
-                directory=args.reports / loaded.name,
-            )
+            report = write_report(loaded.recipe, result, args.reports / loaded.name)
             table.add_row(
                 loaded.name,
                 f"{result.model.tag} ({result.model.info.labels['variant']})",
                 "reused" if result.reused else "new",
                 ", ".join(c.variant for c in result.candidates if c.accepted),
-                f"{result.batching.max_batch_size} rows, {result.batching.max_latency_ms} ms",
+                batching_summary(result.batching),
                 str(report),
                 f"{time.monotonic() - started:.1f}",
             )

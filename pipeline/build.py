@@ -18,19 +18,20 @@ from pipeline.datasets import Split, digits_split, photo_split, text_split
 from pipeline.evaluate import evaluate, run_batched
 from pipeline.export import ServingGraph, export_onnx, serving_graph
 from pipeline.export_check import check_export, image_batches, text_batches
-from pipeline.profile import Batching, ProfilePoint, best_point, choose_batching, onnx_runner, profile
-from pipeline.recipe import LoadedRecipe, Recipe
+from pipeline.profile import Batching, ProfilePoint, Run, best_point, choose_batching, profile, runtime_runner, sampler
+from pipeline.recipe import REQUESTS_FIELD, LoadedRecipe, Recipe, request_texts
 from pipeline.registry import RECIPE_HASH, find_selected, register
 from pipeline.sources import SourceModel, load_source
 from pipeline.tuning import Candidate, tune
 from pipeline.variants import KINDS, VariantInputs
 from serving.engine import EngineSettings, OnnxEngine, available_providers
 from serving.manifest import Route
+from serving.model_runtime import onnx_runtime
 from serving.model_spec import CLASS_NAMES_FILE, ONNX_FILE, SPEC_KEY, TOKENIZER_FILE, ImageInput, ModelSpec, TextInput
 from serving.text import TextTokenizer, pad_batch
 
 # Bump when export or registration changes what an unchanged recipe produces.
-EXPORT_REVISION = "2"
+EXPORT_REVISION = "3"
 Step = Callable[[str], None]
 EAGER = "pytorch-eager"
 
@@ -49,6 +50,7 @@ class BuildResult:
             tag=str(self.model.tag),
             recipe=loaded.recipe.name,
             max_batch_size=serving.max_batch_size or self.batching.max_batch_size,
+            max_batch_tokens=serving.max_batch_tokens or self.batching.max_batch_tokens,
             max_latency_ms=serving.max_latency_ms or self.batching.max_latency_ms,
             max_items_per_request=serving.max_items_per_request,
         )
@@ -66,9 +68,9 @@ class TaskData:
     files: dict[str, Path]
     check_batches: list[dict[str, np.ndarray]]
     feeds: Callable[[list], dict]
-    synthetic_feeds: Callable[[int], dict]
     calibration: Split
     evaluation: Split
+    profiling: Split  # real rows that timed batches are drawn from
     training: Split | None = None
 
 
@@ -89,16 +91,15 @@ def image_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, workdir
         files={CLASS_NAMES_FILE: names},
         check_batches=image_batches(recipe),
         feeds=lambda rows: {graph.input_names[0]: np.stack(rows)},
-        synthetic_feeds=lambda batch: {
-            graph.input_names[0]: np.stack([evaluation.rows[i % len(evaluation)] for i in range(batch)])
-        },
         calibration=calibration,
         evaluation=evaluation,
+        profiling=evaluation,  # decoded photos: an image's cost does not depend on what it shows
         training=training,
     )
 
 
-def text_task(recipe: Recipe, source: SourceModel, graph: ServingGraph) -> TaskData:
+def text_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, requests: Path | None) -> TaskData:
+    """`requests`: a file of real requests to profile on; without it, the corpus's profiling part."""
     tokenizer_file = source.model_dir / TOKENIZER_FILE
     config = source.module.config
     spec = ModelSpec(
@@ -111,15 +112,14 @@ def text_task(recipe: Recipe, source: SourceModel, graph: ServingGraph) -> TaskD
     )
     tokenizer = TextTokenizer(tokenizer_file, max_length=recipe.text.max_length)
     encode = lambda texts: tokenizer.encode(texts, truncate=True)  # noqa: E731
-    length = recipe.profiling.sequence_length
     return TaskData(
         spec=spec,
         files={TOKENIZER_FILE: tokenizer_file},
         check_batches=text_batches(tokenizer_file, recipe.text.max_length),
         feeds=lambda rows: pad_batch(rows, tokenizer.pad_id),
-        synthetic_feeds=lambda batch: pad_batch([[1] * length] * batch, tokenizer.pad_id),
         calibration=text_split(encode, "calibration"),
         evaluation=text_split(encode, "evaluation"),
+        profiling=Split(encode(request_texts(requests))) if requests else text_split(encode, "profiling"),
         training=text_split(encode, "training"),
     )
 
@@ -133,11 +133,15 @@ def _predictor(data: TaskData, settings: EngineSettings) -> Callable[[Path], np.
     return predict
 
 
-def _eager_runner(graph: ServingGraph, data: TaskData):
-    def run(batch: int):
-        feeds = data.synthetic_feeds(batch)
+def _eager_runner(graph: ServingGraph, data: TaskData) -> Run:
+    """The same drawn rows, each batch padded to its longest text as a plain PyTorch server would."""
+    draw = sampler(data.profiling.rows)
+
+    def run(batch: int) -> int | None:
+        feeds = data.feeds(draw(batch))
         with torch.inference_mode():
-            return graph.module(*(torch.from_numpy(feeds[name]) for name in graph.input_names))
+            graph.module(*(torch.from_numpy(feeds[name]) for name in graph.input_names))
+        return feeds["input_ids"].size if data.spec.text else None
 
     return run
 
@@ -187,7 +191,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
         data = (
             image_task(recipe, source, graph, workdir)
             if recipe.task == "image-classification"
-            else text_task(recipe, source, graph)
+            else text_task(recipe, source, graph, loaded.files.get(REQUESTS_FIELD))
         )
         step("checking ONNX against PyTorch")
         check = check_export(recipe, graph, fp32_path, data.check_batches)
@@ -210,7 +214,9 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
         eager = profile_candidates(candidates, graph, data, recipe, settings, slo_ms)
         candidates = [_fp16_on_cpu_only(c, candidates[0]) for c in candidates]
         chosen = select(candidates, slo_ms)
-        batching = choose_batching(chosen.profile, slo_ms=slo_ms)
+        batching = choose_batching(
+            chosen.profile, slo_ms=slo_ms, max_length=data.spec.text.max_length if data.spec.text else None
+        )
         step("registering in the model store")
         common = {
             RECIPE_HASH: content_hash,
@@ -279,8 +285,13 @@ def profile_candidates(
     settings: EngineSettings,
     slo_ms: float,
 ) -> list[ProfilePoint]:
-    """Profile every accepted candidate and PyTorch eager together; returns the eager profile."""
-    runners = {c.variant: onnx_runner(c.path, data.synthetic_feeds, settings) for c in candidates if c.accepted}
+    """Profile every accepted candidate and PyTorch eager together, on batches drawn alike from the
+    profiling rows; returns the eager profile."""
+    runners = {
+        c.variant: runtime_runner(onnx_runtime(c.path, data.spec, settings), sampler(data.profiling.rows))
+        for c in candidates
+        if c.accepted
+    }
     runners[EAGER] = _eager_runner(graph, data)
     profiles = profile(
         runners, recipe.profiling.max_batch_size, slo_ms=slo_ms, seconds_per_point=recipe.profiling.seconds_per_point

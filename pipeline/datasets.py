@@ -1,9 +1,12 @@
-"""Calibration and evaluation inputs, disjoint by construction, prepared through the serving path.
+"""Calibration, evaluation and profiling inputs, disjoint by construction, prepared through the
+serving path.
 
 Photos are split by name (calibration never sees an evaluation photo); each is expanded with
 deterministic augmentations. Texts are split by position in the `pydoc_data` corpus: every
-eighth sentence for evaluation, another eighth for calibration, the rest for distillation.
-Digits use a fixed stratified 75/25 train/test split; calibration draws from train only.
+eighth sentence for evaluation, another eighth for calibration, a third eighth for profiling
+(real sentence lengths, unless the recipe names a file of real requests), the rest for
+distillation. Digits use a fixed stratified 75/25 train/test split; calibration draws from
+train only.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def photo_split(spec: ImageInput, *, calibration: bool) -> Split:
     return Split(rows)
 
 
-TextPart = Literal["calibration", "evaluation", "training"]
+TextPart = Literal["calibration", "evaluation", "profiling", "training"]
 DigitsPart = Literal["calibration", "evaluation", "training"]
 
 
@@ -71,7 +74,8 @@ def text_split(encode_texts: Callable[[list[str]], list], part: TextPart) -> Spl
     chosen = {
         "evaluation": sentences[1::8][:256],
         "calibration": sentences[0::8][:128],
-        "training": [s for i, s in enumerate(sentences) if i % 8 not in (0, 1)],
+        "profiling": sentences[2::8],
+        "training": [s for i, s in enumerate(sentences) if i % 8 not in (0, 1, 2)],
     }[part]
     return Split(encode_texts(list(chosen)))
 

@@ -1,50 +1,75 @@
 """Latency and throughput against batch size on the machine at hand, and the batching they imply.
 
-Candidates are timed interleaved, in short blocks taken in turn, so that a noisy neighbour on
-a shared machine slows them all alike and their ratios stay meaningful. Each block starts with
-an untimed call: thread pools of the previous runtime (ONNX Runtime spins after a run, PyTorch's
-OpenMP pool likewise) must not be billed to the next one.
+A profile point is a batch of the traffic the service will get: each timed call runs the serving
+runtime's own `predict` (texts in length groups, each padded to its longest) on rows drawn at
+random from real inputs, so short and long texts weigh as they do in requests, not as synthetic
+rows of one length. Candidates are timed interleaved, in short blocks taken in turn, so that a
+noisy neighbour on a shared machine slows them all alike and their ratios stay meaningful. Each
+block starts with an untimed call: thread pools of the previous runtime (ONNX Runtime spins after
+a run, PyTorch's OpenMP pool likewise) must not be billed to the next one.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel
 
 from serving.engine import EngineSettings, OnnxEngine
+from serving.model_runtime import ModelRuntime, TextModelRuntime
+from serving.text import padded_tokens
 
-Run = Callable[[int], object]
+# One call at a batch size, on rows the runner draws itself; returns the padded tokens it ran
+# (text) or None. Drawing and counting cost microseconds against milliseconds per call.
+Run = Callable[[int], int | None]
+Draw = Callable[[int], list]
+Sample = tuple[float, int | None]  # seconds, padded tokens
 
 
 class ProfilePoint(BaseModel):
+    """One batch size. Throughputs are over all timed calls: real batches differ in cost."""
+
     batch_size: int
     p50_ms: float
     p99_ms: float
-    throughput: float  # rows per second at p50
+    throughput: float  # rows per second
+    mean_tokens: float | None = None  # text: padded tokens per call, length groups included
+    max_tokens: int | None = None
+    tokens_per_s: float | None = None
 
 
 class Batching(BaseModel):
     max_batch_size: int
+    max_batch_tokens: int | None = None  # text: padded tokens per engine call
     max_latency_ms: int
     reason: str
 
 
-def _point(batch_size: int, timings: list[float]) -> ProfilePoint:
-    p50, p99 = np.percentile(timings, [50, 99]) * 1000
-    return ProfilePoint(batch_size=batch_size, p50_ms=p50, p99_ms=p99, throughput=batch_size / (p50 / 1000))
+def _point(batch_size: int, samples: list[Sample]) -> ProfilePoint:
+    seconds = np.array([s for s, _ in samples])
+    tokens = [t for _, t in samples]
+    p50, p99 = np.percentile(seconds, [50, 99]) * 1000
+    total = float(seconds.sum())
+    text = (
+        {}
+        if None in tokens
+        else {"mean_tokens": float(np.mean(tokens)), "max_tokens": max(tokens), "tokens_per_s": sum(tokens) / total}
+    )
+    return ProfilePoint(
+        batch_size=batch_size, p50_ms=p50, p99_ms=p99, throughput=batch_size * len(samples) / total, **text
+    )
 
 
-def _timed_block(run: Run, batch: int, seconds: float, timings: list[float]) -> None:
+def _timed_block(run: Run, batch: int, seconds: float, samples: list[Sample]) -> None:
     run(batch)  # untimed: settles caches and the other runtime's spinning threads
     block_end = time.monotonic() + seconds
     while True:
         started = time.perf_counter()
-        run(batch)
-        timings.append(time.perf_counter() - started)
+        tokens = run(batch)
+        samples.append((time.perf_counter() - started, tokens))
         if time.monotonic() >= block_end:
             return
 
@@ -72,37 +97,108 @@ def profile(
 
 def time_interleaved(runners: dict[str, Run], batch: int, *, seconds: float, blocks: int) -> dict[str, ProfilePoint]:
     """One point per runner at `batch`: `blocks` rounds, each runner timed for its share in turn."""
-    timings: dict[str, list[float]] = {name: [] for name in runners}
+    samples: dict[str, list[Sample]] = {name: [] for name in runners}
     for _ in range(blocks):
         for name, run in runners.items():
-            _timed_block(run, batch, seconds / blocks, timings[name])
-    return {name: _point(batch, values) for name, values in timings.items()}
+            _timed_block(run, batch, seconds / blocks, samples[name])
+    return {name: _point(batch, values) for name, values in samples.items()}
+
+
+def sampler(rows: Sequence, seed: int = 0) -> Draw:
+    """Batches drawn at random with replacement, one seeded sequence per batch size: runners that
+    each hold a sampler over the same rows see the same batches, however many calls came before."""
+    generators: dict[int, np.random.Generator] = {}
+
+    def draw(batch: int) -> list:
+        if batch not in generators:
+            generators[batch] = np.random.default_rng([seed, batch])
+        return [rows[i] for i in generators[batch].integers(len(rows), size=batch)]
+
+    return draw
+
+
+def runtime_runner(runtime: ModelRuntime, draw: Draw) -> Run:
+    """Calls through the serving runtime's `predict`, exactly as the service makes them per batch."""
+    if isinstance(runtime, TextModelRuntime):
+
+        def run_texts(batch: int) -> int:
+            rows = draw(batch)
+            runtime.predict(rows)
+            return padded_tokens([len(row) for row in rows])
+
+        return run_texts
+
+    def run_images(batch: int) -> None:
+        runtime.predict(np.stack(draw(batch)))
+
+    return run_images
 
 
 def onnx_runner(path: Path, feeds_for: Callable[[int], dict], settings: EngineSettings) -> Run:
+    """Given feeds straight into a session: `bench.variants` times every variant at one batch."""
     engine = OnnxEngine(path, settings)
-    return lambda batch: engine.run(feeds_for(batch))
+
+    def run(batch: int) -> None:
+        engine.run(feeds_for(batch))
+
+    return run
 
 
 MIN_BATCH_SIZE = 2  # BentoML refuses a batchable API with max_batch_size < 2
 
 
-def choose_batching(points: list[ProfilePoint], *, slo_ms: float, min_gain: float = 0.05) -> Batching:
-    """The smallest batch within `min_gain` of the best throughput among batches that leave room
-    for one batch in flight ahead of them within the SLO (2 × p99 ≤ SLO): past it, larger batches
-    only add latency. Judged against the best rather than step by step, so one noisy point on a
-    shared machine cannot stop the search early. Never below two: merging two waiting requests
-    costs no more than running them in turn, and BentoML needs at least two."""
+def choose_batching(
+    points: list[ProfilePoint], *, slo_ms: float, min_gain: float = 0.05, max_length: int | None = None
+) -> Batching:
+    """Rows: the smallest batch within `min_gain` of the best throughput among batches that leave
+    room for one batch in flight ahead of them within the SLO (2 × p99 ≤ SLO): past it, larger
+    batches only add latency. Judged against the best rather than step by step, so one noisy point
+    on a shared machine cannot stop the search early. Never below two: merging two waiting requests
+    costs no more than running them in turn, and BentoML needs at least two.
+
+    Text (`max_length`: the model's tokens per text) also gets a padded-token cap, `choose_token_cap`,
+    at the latency the row cap was chosen at; images are bounded by rows alone."""
     fitting = [p for p in points if 2 * p.p99_ms <= slo_ms] or points[:1]
     best = max(p.throughput for p in fitting)
     chosen = min((p for p in fitting if p.throughput >= (1 - min_gain) * best), key=lambda p: p.batch_size)
+    rows = max(MIN_BATCH_SIZE, chosen.batch_size)
     reason = (
         f"batch {chosen.batch_size}: {chosen.throughput:.0f} rows/s, p99 {chosen.p99_ms:.1f} ms, within "
         f"{min_gain:.0%} of the best throughput ({best:.0f} rows/s) with 2 × p99 ≤ SLO {slo_ms:.0f} ms"
     )
     if chosen.batch_size < MIN_BATCH_SIZE:
         reason += f"; raised to {MIN_BATCH_SIZE}, BentoML's smallest batch"
-    return Batching(max_batch_size=max(MIN_BATCH_SIZE, chosen.batch_size), max_latency_ms=int(slo_ms), reason=reason)
+    tokens = None
+    if max_length is not None:
+        tokens, why = choose_token_cap(chosen, max_rows=rows, max_length=max_length)
+        reason += f"; {why}"
+    return Batching(max_batch_size=rows, max_batch_tokens=tokens, max_latency_ms=int(slo_ms), reason=reason)
+
+
+def choose_token_cap(chosen: ProfilePoint, *, max_rows: int, max_length: int) -> tuple[int, str]:
+    """The padded tokens one engine call runs within the p99 of the batch the row cap was chosen
+    at, at the rate (padded tokens/s) measured there: on that line a batch of long texts takes no
+    longer than the slowest calls of a typical batch at the row cap, while batches of short texts
+    still fill up to the row cap. The chosen batch's own rate rather than a line fitted across
+    batch sizes: the largest batches weigh most in such a fit, yet they are the noisiest on a
+    shared machine and the least like the batches the cap decides (their activations outgrow the
+    caches: on 2 cores MiniLM INT8 took 1.5 × as long per token at 2048 tokens a call as at 256).
+    The per-call overhead, small at such a batch, is counted as cost per token, which errs
+    towards a lower cap. Never below `max_length` (one text of the model's longest must fit a call), nor above
+    `max_rows × max_length` (past it the row cap binds first)."""
+    solved = chosen.tokens_per_s * chosen.p99_ms / 1000
+    ceiling = max_rows * max_length
+    cap = int(min(max(solved, max_length), ceiling))
+    reason = (
+        f"{cap} padded tokens per call: batch {chosen.batch_size} ran {chosen.tokens_per_s:.0f} padded tokens/s "
+        f"({chosen.mean_tokens:.0f} a call on average, at most {chosen.max_tokens}), {int(solved)} "
+        f"within its p99 {chosen.p99_ms:.1f} ms"
+    )
+    if solved < max_length:
+        reason += f"; raised to {max_length}, one text of the model's longest"
+    elif solved > ceiling:
+        reason += f"; lowered to {max_rows} rows × {max_length} tokens, where the row cap binds first"
+    return cap, reason
 
 
 def best_point(points: list[ProfilePoint]) -> ProfilePoint:

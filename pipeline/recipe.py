@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from serving.model_spec import Task
 
 PACKAGE_PREFIX = "package:"
+REQUESTS_FIELD = "profiling.requests"
 
 
 class RecipeError(ValueError):
@@ -98,6 +99,9 @@ class Serving(Strict):
     max_batch_size: int | None = Field(
         default=None, ge=2, le=1024, description="override the profiled value (BentoML batches at least 2)"
     )
+    max_batch_tokens: int | None = Field(
+        default=None, ge=1, description="text: override the profiled cap on padded tokens per engine call"
+    )
     max_latency_ms: int | None = Field(
         default=None, ge=1, description="override; BentoML sheds requests it cannot serve within this"
     )
@@ -137,8 +141,11 @@ class Student(Strict):
 
 class Profiling(Strict):
     max_batch_size: int = Field(default=64, ge=1, le=1024)
-    sequence_length: int = Field(default=128, gt=2, description="text: tokens per row while profiling")
     seconds_per_point: float = Field(default=2.0, gt=0)
+    requests: str | None = Field(
+        default=None,
+        description="text: a file of real requests, one text per line; default a profiling part of the sample corpus",
+    )
 
 
 class Recipe(Strict):
@@ -169,6 +176,13 @@ class Recipe(Strict):
                 raise ValueError(f"task {self.task} needs the field {field!r}")
         if self.task == "text-embedding" and self.source.kind != "huggingface":
             raise ValueError("task text-embedding needs a source of kind 'huggingface'")
+        if self.task != "text-embedding":
+            for field, value in (
+                (REQUESTS_FIELD, self.profiling.requests),
+                ("serving.max_batch_tokens", self.serving.max_batch_tokens),
+            ):
+                if value is not None:
+                    raise ValueError(f"{field}: text tasks only (images are batched by rows)")
         if self.variants and self.budget is None:
             raise ValueError("variants need a budget: every variant is judged against it")
         if self.budget is not None:
@@ -236,7 +250,14 @@ def _file_fields(recipe: Recipe) -> dict[str, str]:
         fields["source.weights"] = source.weights
     if recipe.labels and recipe.labels != "imagenet":
         fields["labels"] = recipe.labels
+    if recipe.profiling.requests:
+        fields[REQUESTS_FIELD] = recipe.profiling.requests
     return fields
+
+
+def request_texts(path: Path) -> list[str]:
+    """The texts of a requests file, one per line; blank lines are no requests."""
+    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _format_error(path: Path, exc: ValidationError) -> str:
@@ -247,6 +268,16 @@ def _format_error(path: Path, exc: ValidationError) -> str:
         message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
         lines.append(f"{path}: {location}: {message}" if location else f"{path}: {message}")
     return "\n".join(lines)
+
+
+def _check_requests(path: Path, requests: Path) -> None:
+    """Profiling needs at least one text: an empty file would fail only after the export."""
+    try:
+        texts = request_texts(requests)
+    except (OSError, UnicodeDecodeError):
+        raise RecipeError(f"{path}: {REQUESTS_FIELD}: not a readable UTF-8 text file: {requests}") from None
+    if not texts:
+        raise RecipeError(f"{path}: {REQUESTS_FIELD}: no texts in {requests} (one request per line)")
 
 
 def load_recipe(path: Path) -> LoadedRecipe:
@@ -272,4 +303,6 @@ def load_recipe(path: Path) -> LoadedRecipe:
         if not resolved.exists():
             raise RecipeError(f"{path}: {field}: file not found: {resolved}")
         files[field] = resolved
+    if REQUESTS_FIELD in files:
+        _check_requests(path, files[REQUESTS_FIELD])
     return LoadedRecipe(recipe=recipe, path=path, files=files)

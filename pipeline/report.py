@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.profile import ProfilePoint, best_point
+from pipeline.profile import Batching, ProfilePoint, best_point
 from pipeline.recipe import Recipe
 from pipeline.tuning import Candidate
+
+if TYPE_CHECKING:
+    from pipeline.build import BuildResult
 
 HEADER = (
     "| variant | precision | size MB | p50 @ batch 1 (ms) | throughput @ best batch (rows/s) | × vs PyTorch eager "
@@ -46,6 +50,34 @@ def table(recipe: Recipe, candidates: list[Candidate], eager: list[ProfilePoint]
             f"| {metric} {value} | {drop} | {verdict} |"
         )
     return HEADER + "\n".join(rows) + "\n"
+
+
+def batching_text(recipe: Recipe, batching: Batching) -> str:
+    """The caps the profile chose and why, and which of them the recipe overrides."""
+    tokens = "" if batching.max_batch_tokens is None else f", `max_batch_tokens` {batching.max_batch_tokens}"
+    text = (
+        f"Batching: `max_batch_size` {batching.max_batch_size}{tokens}, `max_latency_ms` "
+        f"{batching.max_latency_ms}; chosen from the served variant's profile: {batching.reason}."
+    )
+    caps = recipe.serving.model_dump(include={"max_batch_size", "max_batch_tokens", "max_latency_ms"})
+    overrides = [f"`serving.{field}` {value}" for field, value in caps.items() if value is not None]
+    return text + (f" The recipe overrides {', '.join(overrides)}; the manifest serves those." if overrides else "")
+
+
+def profile_table(points: list[ProfilePoint]) -> str:
+    """Per batch size of the served variant: latency per call and rows/s, and for text the padded
+    tokens per call (length groups included) and tokens/s: the figures the caps are chosen from."""
+    columns = ["batch", "p50 (ms)", "p99 (ms)", "rows/s"]
+    text = all(p.mean_tokens is not None for p in points)
+    if text:
+        columns += ["padded tokens per call (mean / max)", "tokens/s"]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for p in points:
+        cells = [str(p.batch_size), f"{p.p50_ms:.1f}", f"{p.p99_ms:.1f}", f"{p.throughput:.1f}"]
+        if text:
+            cells += [f"{p.mean_tokens:.0f} / {p.max_tokens}", f"{p.tokens_per_s:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_frontier(recipe: Recipe, candidates: list[Candidate], path: Path) -> None:
@@ -89,9 +121,8 @@ def plot_latency(recipe: Recipe, candidates: list[Candidate], eager: list[Profil
     plt.close(figure)
 
 
-def write_report(
-    recipe: Recipe, candidates: list[Candidate], eager: list[ProfilePoint], served: str, batching: str, directory: Path
-) -> Path:
+def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
+    candidates, eager = result.candidates, result.eager
     directory.mkdir(parents=True, exist_ok=True)
     plot_frontier(recipe, candidates, directory / "frontier.png")
     plot_latency(recipe, candidates, eager, directory / "latency.png")
@@ -104,11 +135,16 @@ def write_report(
         for c in candidates
         if c.trials
     )
+    served = result.model.info.labels["variant"]
+    (served_profile,) = [c.profile for c in candidates if c.variant == served]
     text = (
-        f"# {recipe.name}\n\n{recipe.description}\n\nServed: `{served}`. Batching: {batching}.\n\n"
+        f"# {recipe.name}\n\n{recipe.description}\n\nServed: `{result.model.tag}` ({served}). "
+        f"{batching_text(recipe, result.batching)}\n\n"
         f"{table(recipe, candidates, eager)}\n"
-        "Throughput is rows per second of one model call on this machine (ONNX Runtime, all cores); "
-        "metrics are measured on held-out data against the FP32 ONNX model.\n\n"
+        "Profiled on this machine (ONNX Runtime, all cores) through the serving runtime, on batches drawn "
+        "at random from real inputs; throughput is rows per second over all timed calls; metrics are "
+        "measured on held-out data against the FP32 ONNX model.\n\n"
+        f"## Profile of the served variant ({served})\n\n{profile_table(served_profile)}\n"
         f"## Tuning trials\n\n{trials or 'none'}\n\n"
         "![accuracy against throughput](frontier.png)\n\n![latency against batch size](latency.png)\n"
     )

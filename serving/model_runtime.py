@@ -23,10 +23,12 @@ def read_spec(metadata: dict) -> ModelSpec:
 class ImageModelRuntime:
     """uint8 NHWC batch in, class probabilities out."""
 
-    def __init__(self, model_dir: Path, spec: ModelSpec, settings: EngineSettings) -> None:
+    def __init__(
+        self, model_dir: Path, spec: ModelSpec, settings: EngineSettings, *, onnx_file: str = ONNX_FILE
+    ) -> None:
         assert spec.image is not None, "an image model needs an image input spec"
         self.spec = spec
-        self.engine = OnnxEngine(model_dir / ONNX_FILE, settings)
+        self.engine = OnnxEngine(model_dir / onnx_file, settings)
 
     def predict(self, images: np.ndarray) -> np.ndarray:
         (input_name,) = self.engine.input_names
@@ -43,10 +45,12 @@ class ImageModelRuntime:
 class TextModelRuntime:
     """Unpadded token ids in, one L2-normalized embedding per row out."""
 
-    def __init__(self, model_dir: Path, spec: ModelSpec, settings: EngineSettings) -> None:
+    def __init__(
+        self, model_dir: Path, spec: ModelSpec, settings: EngineSettings, *, onnx_file: str = ONNX_FILE
+    ) -> None:
         assert spec.text is not None, "a text model needs a text input spec"
         self.spec = spec
-        self.engine = OnnxEngine(model_dir / ONNX_FILE, settings)
+        self.engine = OnnxEngine(model_dir / onnx_file, settings)
 
     def predict(self, rows: list[list[int]]) -> np.ndarray:
         """Rows run in groups of similar length (serving/text.py, `length_groups`)."""
@@ -72,6 +76,13 @@ class TextModelRuntime:
 
 ModelRuntime = ImageModelRuntime | TextModelRuntime
 RUNTIME_FOR_ENDPOINT: dict[str, type[ModelRuntime]] = {"classify": ImageModelRuntime, "embed": TextModelRuntime}
+
+
+def onnx_runtime(path: Path, spec: ModelSpec, settings: EngineSettings) -> ModelRuntime:
+    """A runtime over any ONNX file: the pipeline times its candidates through the serving code
+    before they are stored."""
+    runtime = TextModelRuntime if spec.text is not None else ImageModelRuntime
+    return runtime(path.parent, spec, settings, onnx_file=path.name)
 
 
 def load_runtime(endpoint: str, stored: Any, *, max_batch_size: int, settings: EngineSettings) -> ModelRuntime:

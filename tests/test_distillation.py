@@ -3,6 +3,7 @@ judges a model is disjoint from the data that trained or calibrated it."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -72,11 +73,12 @@ def test_digits_splits_are_disjoint() -> None:
 def test_text_splits_are_disjoint() -> None:
     parts = {
         p: {tuple(r) for r in text_split(lambda t: [[hash(x)] for x in t], p).rows}
-        for p in ("training", "evaluation", "calibration")
+        for p in ("training", "evaluation", "calibration", "profiling")
     }
-    assert not parts["evaluation"] & parts["training"]
-    assert not parts["evaluation"] & parts["calibration"]
+    for first, second in itertools.combinations(parts, 2):
+        assert not parts[first] & parts[second], (first, second)
     assert len(parts["training"]) > 1000
+    assert len(parts["profiling"]) > 300
 
 
 def test_layers_are_spread_evenly() -> None:

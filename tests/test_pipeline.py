@@ -11,14 +11,19 @@ import pytest
 import torch
 
 from pipeline.build import BuildResult, build
+from pipeline.datasets import text_split
 from pipeline.export import serving_graph
 from pipeline.export_check import ExportCheckError, check_export, image_batches, text_batches
+from pipeline.profile import runtime_runner, sampler
 from pipeline.recipe import LoadedRecipe
 from pipeline.registry import verify_files
+from pipeline.report import write_report
 from pipeline.sources import load_source
 from serving.engine import EngineSettings, OnnxEngine
-from serving.model_runtime import ImageModelRuntime, TextModelRuntime, read_spec
+from serving.manifest import ServingManifest
+from serving.model_runtime import ImageModelRuntime, TextModelRuntime, onnx_runtime, read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ONNX_FILE, TOKENIZER_FILE
+from serving.text import TextTokenizer, padded_tokens
 
 
 def stored_dir(result: BuildResult) -> Path:
@@ -48,8 +53,6 @@ def test_embeddings_match_sentence_transformers(built_models: dict[str, BuildRes
     texts = ["A man is playing a guitar.", "The new movie is awesome, I loved it so much!"]
     result = built_models["text-embedder"]
     runtime = TextModelRuntime(stored_dir(result), read_spec(result.model.info.metadata), EngineSettings(1))
-    from serving.text import TextTokenizer
-
     tokenizer = TextTokenizer(stored_dir(result) / TOKENIZER_FILE, max_length=256)
     ours = runtime.predict(tokenizer.encode(texts, truncate=False))
     reference = SentenceTransformer(str(get_model_path()), device="cpu").encode(texts)
@@ -57,8 +60,6 @@ def test_embeddings_match_sentence_transformers(built_models: dict[str, BuildRes
 
 
 def test_a_mixed_length_batch_embeds_each_text_as_if_alone(built_models: dict[str, BuildResult]) -> None:
-    from serving.text import TextTokenizer
-
     result = built_models["text-embedder"]
     runtime = TextModelRuntime(stored_dir(result), read_spec(result.model.info.metadata), EngineSettings(1))
     tokenizer = TextTokenizer(stored_dir(result) / TOKENIZER_FILE, max_length=256)
@@ -156,6 +157,62 @@ def test_tag_override_serves_another_model_with_its_own_batching(
     route = load_manifest(manifest_file).classify
     assert route.tag == str(image.model.tag)
     assert route.max_batch_size == image.batching.max_batch_size
+    text = built_models["text-embedder"]
+    monkeypatch.setenv("OPTISERVE_EMBED_MODEL", str(text.model.tag))
+    assert load_manifest(manifest_file).embed.max_batch_tokens == text.batching.max_batch_tokens
     monkeypatch.setenv("OPTISERVE_CLASSIFY_MODEL", "image-classifier:doesnotexist")
     with pytest.raises(ManifestError, match="not in the model store"):
         load_manifest(manifest_file)
+
+
+def test_text_profile_runs_real_sentences_through_the_serving_runtime(built_models: dict[str, BuildResult]) -> None:
+    """Each timed call is `TextModelRuntime.predict` on drawn corpus sentences; the padded tokens
+    it reports are the real lengths, length groups included, not rows of a synthetic length."""
+    result = built_models["text-embedder"]
+    tokenizer = TextTokenizer(stored_dir(result) / TOKENIZER_FILE, max_length=256)
+    rows = text_split(lambda texts: tokenizer.encode(texts, truncate=True), "profiling").rows
+    lengths = {len(row) for row in rows}
+    spec = read_spec(result.model.info.metadata)
+    run = runtime_runner(onnx_runtime(stored_dir(result) / ONNX_FILE, spec, EngineSettings(1)), sampler(rows))
+    same_draws = sampler(rows)
+    assert [run(1) for _ in range(5)] == [len(same_draws(1)[0]) for _ in range(5)]
+    assert run(8) == padded_tokens([len(row) for row in same_draws(8)])
+
+    batch1 = result.candidates[0].profile[0]
+    assert batch1.batch_size == 1 and batch1.max_tokens in lengths
+    assert min(lengths) <= batch1.mean_tokens < 80  # sentences of 37 tokens on average
+    assert batch1.tokens_per_s == pytest.approx(batch1.mean_tokens * batch1.throughput)
+
+
+def test_text_gets_a_token_cap_and_images_none(built_models: dict[str, BuildResult]) -> None:
+    text = built_models["text-embedder"].batching
+    assert 256 <= text.max_batch_tokens <= text.max_batch_size * 256
+    assert "padded tokens per call" in text.reason
+    assert built_models["text-embedder"].model.info.metadata["batching"]["max_batch_tokens"] == text.max_batch_tokens
+    image = built_models["image-classifier"]
+    assert image.batching.max_batch_tokens is None
+    assert "max_batch_tokens" not in image.model.info.metadata["batching"]
+    assert image.candidates[0].profile[0].mean_tokens is None
+
+
+def test_manifest_routes_carry_the_token_cap_and_recipe_overrides(
+    built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe], manifest_file: Path
+) -> None:
+    manifest = ServingManifest.model_validate_json(manifest_file.read_text())
+    assert manifest.embed.max_batch_tokens == built_models["text-embedder"].batching.max_batch_tokens
+    assert manifest.classify.max_batch_tokens is None
+    loaded = default_recipes["text-embedder"]
+    serving = loaded.recipe.serving.model_copy(update={"max_batch_tokens": 700, "max_batch_size": 32})
+    overridden = loaded.model_copy(update={"recipe": loaded.recipe.model_copy(update={"serving": serving})})
+    route = built_models["text-embedder"].route(overridden)
+    assert (route.max_batch_size, route.max_batch_tokens) == (32, 700)
+
+
+def test_report_shows_the_caps_and_why(
+    built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe], tmp_path: Path
+) -> None:
+    result = built_models["text-embedder"]
+    report = write_report(default_recipes["text-embedder"].recipe, result, tmp_path).read_text()
+    assert f"`max_batch_tokens` {result.batching.max_batch_tokens}" in report
+    assert result.batching.reason in report
+    assert "padded tokens per call (mean / max)" in report

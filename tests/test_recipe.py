@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.recipe import RecipeError, load_recipe, resolve_path
+from pipeline.recipe import RecipeError, load_recipe, request_texts, resolve_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,3 +99,52 @@ def test_content_hash_is_stable_and_changes_with_the_recipe(tmp_path: Path) -> N
     changed = load_recipe(write_recipe(tmp_path / "b", "image-classifier", serving__max_batch_size=8))
     assert first.content_hash() == load_recipe(first.path).content_hash()
     assert first.content_hash() != changed.content_hash()
+
+
+def test_missing_requests_file_names_the_field(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "text-embedder", profiling={"requests": "traffic/requests.txt"})
+    with pytest.raises(
+        RecipeError, match=r"text-embedder\.yaml: profiling\.requests: file not found: .*traffic/requests\.txt"
+    ):
+        load_recipe(path)
+
+
+def test_requests_file_without_texts_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "requests.txt").write_text("\n   \n")
+    path = write_recipe(tmp_path, "text-embedder", profiling={"requests": "requests.txt"})
+    with pytest.raises(RecipeError, match=r"profiling\.requests: no texts in .*requests\.txt"):
+        load_recipe(path)
+
+
+def test_requests_file_is_read_per_line_and_counts_in_the_content_hash(tmp_path: Path) -> None:
+    requests = tmp_path / "requests.txt"
+    requests.write_text("a cat on a mat\n\nHow do I reset my password?\n")
+    loaded = load_recipe(write_recipe(tmp_path, "text-embedder", profiling={"requests": "requests.txt"}))
+    assert request_texts(loaded.files["profiling.requests"]) == ["a cat on a mat", "How do I reset my password?"]
+    before = loaded.content_hash()
+    requests.write_text("another request\n")
+    assert load_recipe(loaded.path).content_hash() != before
+
+
+def test_unknown_profiling_key_names_the_field(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "text-embedder", profiling={"sequence_length": 128})
+    with pytest.raises(RecipeError, match=r"profiling\.sequence_length: unknown key"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"profiling": {"requests": "requests.txt"}}, "profiling.requests"),
+        ({"serving__max_batch_tokens": 512}, "serving.max_batch_tokens"),
+    ],
+)
+def test_token_settings_are_refused_for_images(tmp_path: Path, changes: dict, field: str) -> None:
+    with pytest.raises(RecipeError, match=rf"image-classifier\.yaml: {field}: text tasks only"):
+        load_recipe(write_recipe(tmp_path, "image-classifier", **changes))
+
+
+def test_token_cap_override_must_be_positive(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "text-embedder", serving__max_batch_tokens=0)
+    with pytest.raises(RecipeError, match=r"serving\.max_batch_tokens: .*greater than or equal to 1"):
+        load_recipe(path)

@@ -50,7 +50,7 @@ def tiny_text_recipe(tmp_path_factory) -> dict:
         "export": {"tolerance": {"max_abs_diff": 1e-4, "min_cosine": 0.9999}},
         "variants": ["graph-opt", "int8-dynamic", "int8-static", "fp16"],
         "budget": {"max_drop": {"mean_cosine": 0.05}, "p99_slo_ms": 2000},
-        "profiling": {**TINY_PROFILE, "sequence_length": 32},
+        "profiling": TINY_PROFILE,
         "serving": {"endpoint": "embed"},
     }
 
@@ -131,6 +131,7 @@ def test_selection_picks_the_fastest_accepted_variant(tiny_text: BuildResult) ->
     else:
         assert all(best(c) <= 1.05 * best(fp32) for c in accepted)
     assert 2 <= tiny_text.batching.max_batch_size <= 4
+    assert 64 <= tiny_text.batching.max_batch_tokens <= tiny_text.batching.max_batch_size * 64
 
 
 def _profiled(variant: str, throughput: float, p99_ms: float = 10, accepted: bool = True):
@@ -241,3 +242,55 @@ def test_one_noisy_point_does_not_stop_the_batch_search() -> None:
         for b, r in [(1, 40), (2, 38), (4, 55), (8, 66), (16, 68)]
     ]
     assert choose_batching(noisy, slo_ms=1000).max_batch_size == 8
+
+
+def _text_points(intercept_ms: float, ms_per_token: float, tokens_per_row: float, tail: float = 1.3) -> list:
+    """Profile points of a model whose call costs `intercept_ms` + `ms_per_token` × padded tokens
+    on average, and `tail` times that at p99."""
+    from pipeline.profile import ProfilePoint
+
+    points = []
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        tokens = b * tokens_per_row
+        ms = intercept_ms + ms_per_token * tokens
+        points.append(
+            ProfilePoint(
+                batch_size=b,
+                p50_ms=ms,
+                p99_ms=tail * ms,
+                throughput=1000 * b / ms,
+                mean_tokens=tokens,
+                max_tokens=int(2 * tokens),
+                tokens_per_s=1000 * tokens / ms,
+            )
+        )
+    return points
+
+
+def test_token_cap_is_what_the_row_caps_batch_runs_within_its_p99() -> None:
+    from pipeline.profile import choose_batching
+
+    points = _text_points(intercept_ms=2, ms_per_token=0.05, tokens_per_row=40)
+    batching = choose_batching(points, slo_ms=1000, max_length=256)
+    assert batching.max_batch_size == 16  # 471 rows/s, within 5 % of 492 at batch 64
+    # 640 tokens a call in 34 ms on average, 44.2 ms at p99: its rate holds 832 tokens within that
+    assert batching.max_batch_tokens == pytest.approx(16 * 40 * 1.3, abs=1)
+    assert f"{batching.max_batch_tokens} padded tokens per call" in batching.reason
+
+
+def test_token_cap_holds_one_longest_text_and_never_exceeds_the_row_cap() -> None:
+    from pipeline.profile import choose_batching
+
+    overhead_only = _text_points(intercept_ms=10, ms_per_token=1e-6, tokens_per_row=40, tail=8)
+    high = choose_batching(overhead_only, slo_ms=1000, max_length=256)
+    assert high.max_batch_tokens == high.max_batch_size * 256 and "row cap binds first" in high.reason
+    per_token = _text_points(intercept_ms=10, ms_per_token=1, tokens_per_row=2)
+    low = choose_batching(per_token, slo_ms=1000, max_length=256)
+    assert low.max_batch_tokens == 256 and "raised to 256" in low.reason
+
+
+def test_images_are_batched_by_rows_only() -> None:
+    from pipeline.profile import ProfilePoint, choose_batching
+
+    points = [ProfilePoint(batch_size=b, p50_ms=b, p99_ms=b, throughput=1000) for b in (1, 2, 4)]
+    assert choose_batching(points, slo_ms=1000).max_batch_tokens is None
