@@ -8,12 +8,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import uvloop
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]loadtest:[/red] {exc}")
         return 2
     console.print(f"loading {settings.url} with {len(payloads)} distinct {inputs['kind']} request bodies")
-    result = asyncio.run(sweep_with_progress(settings, payloads, inputs, console))
+    result = uvloop.run(sweep_with_progress(settings, payloads, inputs, console))
     out = Console()
     print_report(result, out if out.is_terminal else Console(width=160))
     stem = args.name or f"loadtest-{datetime.now():%Y%m%d-%H%M%S}"

@@ -16,7 +16,7 @@ class Outcome:
     """One request: when it finished (monotonic seconds), its latency, and its status.
 
     `status` is the HTTP code as text, or a client-side failure name ("timeout",
-    "client_backlog", an aiohttp error class).
+    "client_backlog", or the error's class: "ConnectionRefusedError", "ServerDisconnected", …).
     """
 
     finished: float

@@ -16,10 +16,12 @@ from datetime import UTC, datetime
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-import aiohttp
+import httptools
+import uvloop
 
 from loadtest.capacity import CapacityPlan, Knee, Point, capacity_plan, find_knee
-from loadtest.generator import closed_loop, open_loop
+from loadtest.client import Pool, fetch, origin
+from loadtest.generator import Request, closed_loop, open_loop, post_requests
 from loadtest.inputs import Payload
 from loadtest.server_metrics import Breakdown, Snapshot, breakdown, parse
 from loadtest.stats import Recorder, Summary, is_stable, summarize
@@ -48,6 +50,7 @@ class SweepSettings:
     headroom: float = 0.3
 
     def __post_init__(self) -> None:
+        origin(self.url)  # ValueError unless an http(s) URL with a host
         if self.mode not in ("concurrency", "rate"):
             raise ValueError(f"mode must be 'concurrency' or 'rate', got {self.mode!r}")
         if not self.levels or any(level <= 0 for level in self.levels):
@@ -96,35 +99,31 @@ class SweepResult:
 WindowCallback = Callable[[float, int, Summary], None]
 
 
-async def scrape(session: aiohttp.ClientSession, url: str | None) -> Snapshot | None:
+async def scrape(url: str | None) -> Snapshot | None:
     if url is None:
         return None
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
-            if response.status != 200:
-                return None
-            return parse(await response.text())
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+        response = await fetch(url, timeout=10)
+        return parse(response.body.decode()) if response.status == 200 else None
+    except (OSError, httptools.HttpParserError, ValueError):  # TimeoutError is an OSError
         return None
 
 
 async def measure_level(
-    session: aiohttp.ClientSession,
-    scraper: aiohttp.ClientSession,
     settings: SweepSettings,
-    payloads: Sequence[Payload],
+    requests: Sequence[Request],
     level: float,
     on_window: WindowCallback,
     deadline: float,
 ) -> LevelResult:
-    recorder, stop = Recorder(), asyncio.Event()
+    """Each level on connections of its own, opened by its warm-up and closed after it."""
+    recorder, stop, pool = Recorder(), asyncio.Event(), Pool(settings.url, settings.request_timeout_s)
     if settings.mode == "concurrency":
-        load = closed_loop(session, settings.url, payloads, concurrency=int(level), stop=stop, recorder=recorder)
+        load = closed_loop(pool, requests, concurrency=int(level), stop=stop, recorder=recorder)
     else:
         load = open_loop(
-            session,
-            settings.url,
-            payloads,
+            pool,
+            requests,
             rate=level,
             stop=stop,
             recorder=recorder,
@@ -135,12 +134,12 @@ async def measure_level(
     windows: list[Summary] = []
     try:
         await asyncio.sleep(settings.warmup_s)
-        marks.append((time.perf_counter(), await scrape(scraper, settings.scrape_url)))
+        marks.append((time.perf_counter(), await scrape(settings.scrape_url)))
         while True:
             await asyncio.sleep(settings.window_s)
             if task.done():
                 task.result()  # a bug in the generator surfaces here rather than as an empty window
-            marks.append((time.perf_counter(), await scrape(scraper, settings.scrape_url)))
+            marks.append((time.perf_counter(), await scrape(settings.scrape_url)))
             (start, _), (end, _) = marks[-2], marks[-1]
             windows.append(summarize(recorder.between(start, end), end - start))
             on_window(level, len(windows), windows[-1])
@@ -153,6 +152,7 @@ async def measure_level(
         # On timeout wait_for cancels the stragglers; they would finish after the last window anyway.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(task, timeout=settings.request_timeout_s + 5)
+        pool.close()
     pooled = min(settings.stable_windows, len(windows))
     (start, before), (end, after) = marks[-pooled - 1], marks[-1]
     server = breakdown(before, after, path=settings.path) if before is not None and after is not None else None
@@ -210,26 +210,20 @@ async def sweep(
         raise ValueError("no request bodies to send")
     result = SweepResult(settings=settings, inputs=inputs, started_at=datetime.now(UTC).isoformat(timespec="seconds"))
     deadline = time.perf_counter() + settings.max_duration_s
-    most = int(max(settings.levels)) if settings.mode == "concurrency" else settings.max_outstanding
-    connector = aiohttp.TCPConnector(limit=most, limit_per_host=most, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=settings.request_timeout_s)
-    async with (
-        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-        aiohttp.ClientSession() as scraper,
-    ):
-        for level in settings.levels:
-            if time.perf_counter() + minimum_level_seconds(settings) > deadline:
-                result.stopped = f"time budget of {settings.max_duration_s:g} s spent before level {level:g}"
-                break
-            on_level(level)
-            measured = await measure_level(session, scraper, settings, payloads, level, on_window, deadline)
-            result.levels.append(measured)
-            if settings.stop_past_slo and past_slo(measured, settings) and level != settings.levels[-1]:
-                result.stopped = f"p99 or errors past the SLO at level {level:g}: later levels skipped"
-                break
+    requests = post_requests(settings.url, payloads)
+    for level in settings.levels:
+        if time.perf_counter() + minimum_level_seconds(settings) > deadline:
+            result.stopped = f"time budget of {settings.max_duration_s:g} s spent before level {level:g}"
+            break
+        on_level(level)
+        measured = await measure_level(settings, requests, level, on_window, deadline)
+        result.levels.append(measured)
+        if settings.stop_past_slo and past_slo(measured, settings) and level != settings.levels[-1]:
+            result.stopped = f"p99 or errors past the SLO at level {level:g}: later levels skipped"
+            break
     return conclude(result)
 
 
 def run_sweep(settings: SweepSettings, payloads: Sequence[Payload], inputs: dict[str, object]) -> SweepResult:
-    """Blocking entry point without progress display (the bench and tests use it)."""
-    return asyncio.run(sweep(settings, payloads, inputs))
+    """Blocking entry point without progress display (the bench and tests use it), on uvloop."""
+    return uvloop.run(sweep(settings, payloads, inputs))

@@ -19,6 +19,7 @@ os.environ["BENTOML_HOME"] = str(_BENTOML_HOME)  # before anything imports bento
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
+from tiny_http import TinyServer  # noqa: E402
 
 from bench.processes import free_port, wait_ready  # noqa: E402
 from pipeline.build import BuildResult, build  # noqa: E402
@@ -40,8 +41,15 @@ def bentoml_home() -> Path:
 
 def quick(loaded: LoadedRecipe, **changes) -> LoadedRecipe:
     """The same recipe with a short profile and no variants unless given: service tests need the
-    FP32 artifacts, not a full optimization run (variants have their own tests)."""
-    settings = {"variants": [], "profiling": Profiling(max_batch_size=8, seconds_per_point=0.2), **changes}
+    FP32 artifacts, not a full optimization run (variants have their own tests). Requests get a
+    10 s deadline so that a busy test machine does not shed bursts; deadline tests send their own."""
+    serving = loaded.recipe.serving.model_copy(update={"max_latency_ms": 10_000})
+    settings = {
+        "variants": [],
+        "profiling": Profiling(max_batch_size=8, seconds_per_point=0.2),
+        "serving": serving,
+        **changes,
+    }
     return loaded.model_copy(update={"recipe": loaded.recipe.model_copy(update=settings)})
 
 
@@ -122,4 +130,11 @@ def model_services_server(manifest_file: Path, tmp_path_factory) -> Iterator[Run
     (home / "models").symlink_to(_BENTOML_HOME / "models")
     log = tmp_path_factory.mktemp("server") / "bentoml.log"
     with serving(manifest_file, log, OPTISERVE_MODEL_PLACEMENT="service", BENTOML_HOME=str(home)) as running:
+        yield running
+
+
+@pytest.fixture
+def tiny_server() -> Iterator[TinyServer]:
+    """A tiny HTTP/1.1 server on a real socket (tests/tiny_http.py), fresh per test."""
+    with TinyServer.running() as running:
         yield running

@@ -1,10 +1,23 @@
-"""The benchmark scripts' own logic, on the test store (their figures belong in BENCHMARKS.md)."""
+"""The benchmark scripts' own logic, on the test store and a tiny real server (their figures
+belong in BENCHMARKS.md)."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from pathlib import Path
 
+import pytest
+from tiny_http import directives
+
+from bench.limit import BATCH_SIZES, text_limit
+from bench.serving import wrk_check
 from bench.variants import main
+from bench.wrk import run_wrk, wrk_installed
+from loadtest.sweep import SweepSettings, run_sweep
+from pipeline.samples import sample_texts
+
+needs_wrk = pytest.mark.skipif(not wrk_installed(), reason="wrk is not installed (apt-get install wrk)")
 
 
 def test_variants_bench_times_a_run_against_its_fp32(built_models, tmp_path) -> None:
@@ -18,3 +31,41 @@ def test_variants_bench_times_a_run_against_its_fp32(built_models, tmp_path) -> 
     assert {row["model"].split(":")[0] for row in rows} == {"text-embedder"}
     fp32 = rows[0]
     assert fp32["speedup_vs_fp32"] == 1.0 and fp32["rows_per_s"] > 0 and fp32["batch"] == 2
+
+
+def test_limit_tries_every_batch_size_whatever_the_served_cap(built_models) -> None:
+    built = built_models["text-embedder"]
+    assert built.batching.max_batch_size < max(BATCH_SIZES), "the test store profiles small batches only"
+
+    limit = text_limit(Path(built.model.path), built.model.info.metadata, sample_texts(64), seconds=0.1, slo_ms=1e6)
+
+    assert sorted(limit.rows_per_s) == list(BATCH_SIZES)
+    assert limit.throughput == max(limit.rows_per_s.values()) == limit.rows_per_s[limit.best_batch]
+    assert 0 < limit.batch1_p50_ms <= limit.batch1_p99_ms
+
+
+@needs_wrk
+def test_wrk_sends_every_body_in_turn_and_counts_failed_statuses(tiny_server) -> None:
+    payloads = [directives(n=1), directives(n=2, status=503), directives(n=3, status=404)]
+
+    result = run_wrk(f"{tiny_server.url}/wrk", payloads, connections=2, seconds=1)
+
+    sent = Counter(body for _, _, body in tiny_server.requests)
+    assert set(sent) == {p.body for p in payloads} and max(sent.values()) - min(sent.values()) <= 2
+    assert result.requests >= len(tiny_server.requests) - 2  # wrk does not count those cut off at the end
+    assert abs(result.errors["status"] - 2 * result.requests / 3) <= 2
+    assert result.throughput == pytest.approx((result.requests - result.errors["status"]) / result.seconds)
+
+
+@needs_wrk
+def test_loadtest_reads_a_latency_bound_server_like_wrk(tiny_server) -> None:
+    """Two connections on a server that answers in 50 ms: both generators must see about 40/s."""
+    url, payloads = f"{tiny_server.url}/slow", [directives(sleep=0.05)]
+    settings = SweepSettings(url=url, levels=(2,), warmup_s=0.3, window_s=1.0, stable_windows=2, metrics_url="")
+    knee = run_sweep(settings, payloads, {"kind": "test"}).knee
+
+    check = wrk_check(url, payloads, knee.level, knee.throughput, seconds=2)
+
+    assert check["wrk_throughput"] == pytest.approx(40, rel=0.1)
+    assert check["met"], check
+    assert check["concurrency"] == 2 and check["wrk"]["connections"] == 2

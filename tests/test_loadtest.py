@@ -1,19 +1,28 @@
-"""The load tester: its arithmetic as pure functions, and short real sweeps against the running
-service (the `server` fixture), including the service's queue, inference and batch-rows metrics."""
+"""The load tester: its arithmetic as pure functions, its HTTP client and load loops against a
+tiny real server (`tiny_server`), and short real sweeps against the running service (the
+`server` fixture), including the service's queue, inference and batch-rows metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import math
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import uvloop
+from tiny_http import directives
 
+from bench.processes import free_port
 from loadtest.capacity import Point, capacity_plan, find_knee
+from loadtest.client import Pool, fetch, request_bytes
+from loadtest.generator import open_loop, post_requests, send
 from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
 from loadtest.server_metrics import INFERENCE, QUEUE, ROWS, breakdown, endpoint_label, parse
 from loadtest.stats import Outcome, Recorder, is_stable, percentile, summarize
@@ -92,6 +101,102 @@ def test_breakdown_is_the_mean_between_two_scrapes() -> None:
     assert endpoint_label("/embed") == "embed" and endpoint_label("/v1/classify_batch/") == "classify"
 
 
+def test_sweep_counts_statuses_and_latencies_on_kept_alive_connections(tiny_server) -> None:
+    payloads = [directives(sleep=0.02), directives(status=503), directives(status=404, chunked=True)]
+    settings = SweepSettings(
+        url=f"{tiny_server.url}/any",
+        levels=(3,),
+        warmup_s=0.2,
+        window_s=0.5,
+        stable_windows=2,
+        max_windows=2,
+        metrics_url="",
+    )
+    (level,) = run_sweep(settings, payloads, {"kind": "test"}).levels
+    check_level(dataclasses.asdict(level), stable_windows=2)
+    result = level.result
+    assert set(result.errors) == {"404", "503"}
+    # The bodies go out in turn, so each kind is a third of the answers, give or take those in flight.
+    assert all(abs(count - result.ok) <= 3 for count in result.errors.values())
+    assert result.ok > 10 and 20 <= result.latency_ms.p50 < 200, "successes are the ones that sleep 20 ms"
+    assert len(tiny_server.connections) == 3, "three workers, each on one kept-alive connection"
+
+
+def test_pool_reuses_connections_and_replaces_closed_or_timed_out_ones(tiny_server) -> None:
+    url = f"{tiny_server.url}/pool"
+
+    def post(**fields: object) -> bytes:
+        return request_bytes(url, "POST", json.dumps(fields).encode(), "application/json")
+
+    async def exchange() -> list:
+        pool = Pool(url, timeout=0.3)
+        answers = [await pool.request(post(n=n)) for n in range(4)]
+        answers.append(await pool.request(post(chunked=True, pad="x" * 1000)))
+        answers.append(await pool.request(post(close=True)))  # the server closes after answering
+        answers.append(await pool.request(post(status=201)))  # so this one needs a new connection
+        with pytest.raises(TimeoutError):
+            await pool.request(post(sleep=1))
+        answers.append(await pool.request(post(status=202)))  # its own answer, never the late one
+        pool.close()
+        return answers
+
+    answers = uvloop.run(exchange())
+    assert [a.status for a in answers] == [200] * 6 + [201, 202]
+    assert answers[0].body == b'{"n": 0}'
+    assert answers[4].body == json.dumps({"chunked": True, "pad": "x" * 1000}).encode(), "chunks joined"
+    assert len(tiny_server.connections) == 3, "one until the server closed it, one until the timeout, one after"
+    assert uvloop.run(fetch(f"{tiny_server.url}/metrics", timeout=5)) == (200, b"# GET /metrics\n")
+
+
+def test_failures_are_counted_by_name() -> None:
+    url = f"http://127.0.0.1:{free_port()}/nothing-listens"
+    recorder = Recorder()
+    uvloop.run(send(Pool(url, timeout=5), post_requests(url, [directives()])[0], recorder, time.perf_counter()))
+    (outcome,) = recorder.outcomes
+    assert outcome.status == "ConnectionRefusedError" and not outcome.ok
+
+
+def open_loop_run(
+    url: str, *, rate: float, seconds: float, max_outstanding: int = 100, sleep: float = 0, stall_at: float = 0
+) -> Recorder:
+    """`seconds` of Poisson arrivals, each answered after `sleep`; with `stall_at`, the client
+    blocks its own loop for 0.3 s at that time."""
+    requests = post_requests(url, [directives(sleep=sleep)])
+
+    async def load() -> Recorder:
+        pool, recorder, stop = Pool(url, timeout=5), Recorder(), asyncio.Event()
+        task = asyncio.create_task(
+            open_loop(pool, requests, rate=rate, stop=stop, recorder=recorder, max_outstanding=max_outstanding)
+        )
+        if stall_at:
+            await asyncio.sleep(stall_at)
+            time.sleep(0.3)  # a late client: every arrival due meanwhile goes out late
+        await asyncio.sleep(seconds - stall_at)
+        stop.set()
+        await task
+        pool.close()
+        return recorder
+
+    return uvloop.run(load())
+
+
+def test_open_loop_latency_counts_from_the_scheduled_arrival(tiny_server) -> None:
+    outcomes = open_loop_run(f"{tiny_server.url}/open", rate=200, seconds=1.5, stall_at=0.5).outcomes
+    assert all(o.ok for o in outcomes)
+    assert 240 <= len(outcomes) <= 360, "about 1.5 s × 200/s: the arrivals due in the stall are sent, not skipped"
+    latencies = sorted(o.latency for o in outcomes)
+    assert latencies[len(latencies) // 2] < 0.05
+    assert latencies[-1] >= 0.25, "an arrival at the start of the stall waited for all of it"
+    assert sum(latency > 0.1 for latency in latencies) >= 20  # about 200/s × 0.2 s
+
+
+def test_open_loop_counts_arrivals_beyond_the_outstanding_cap(tiny_server) -> None:
+    outcomes = open_loop_run(f"{tiny_server.url}/slow", rate=100, seconds=0.4, max_outstanding=5, sleep=0.5).outcomes
+    statuses = [o.status for o in outcomes]
+    assert statuses.count("200") == 5 and statuses.count("client_backlog") >= 20
+    assert len(tiny_server.requests) == 5
+
+
 def check_level(level: dict, stable_windows: int) -> None:
     """Counts add up, throughput is completions over time, percentiles are ordered."""
     result, windows = level["result"], level["windows"]
@@ -152,8 +257,12 @@ def metric_totals(client: httpx.Client, endpoint: str) -> dict[str, float]:
     return totals
 
 
+# Our batcher stamps each request's wait; BentoML's batcher (model services) exposes none publicly.
+QUEUE_WAITS_MEASURED = {"server": True, "model_services_server": False}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("deployment", ["server", "model_services_server"])
+@pytest.mark.parametrize("deployment", sorted(QUEUE_WAITS_MEASURED))
 @pytest.mark.parametrize("endpoint", ["classify", "embed"])
 def test_queue_inference_and_row_metrics_move_under_load(request, deployment: str, endpoint: str) -> None:
     server = request.getfixturevalue(deployment)
@@ -178,4 +287,5 @@ def test_queue_inference_and_row_metrics_move_under_load(request, deployment: st
     # Requests may be split into chunks of max_batch_size rows, and chunks merged into batches.
     assert 1 <= delta[f"{ROWS}_count"] <= requests * rows
     assert delta[f"{INFERENCE}_count"] == delta[f"{ROWS}_count"] and delta[f"{INFERENCE}_sum"] > 0
-    assert delta[f"{QUEUE}_count"] >= requests and delta[f"{QUEUE}_sum"] >= 0
+    queued = delta.get(f"{QUEUE}_count", 0.0)
+    assert queued >= requests if QUEUE_WAITS_MEASURED[deployment] else queued == 0
