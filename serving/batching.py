@@ -131,7 +131,8 @@ class Batcher(Generic[Rows]):
     @contextmanager
     def admit(self, rows: int, *, timeout_ms: float | None = None) -> Iterator[Admission]:
         """Let a request of `rows` items in, or raise `Refused`; `timeout_ms` (the client's) can only
-        shorten the server's deadline. The reservation is returned when the block exits unsubmitted."""
+        shorten the server's deadline, and binds even on an idle engine, where the server's does
+        not. The reservation is returned when the block exits unsubmitted."""
         now = time.monotonic()
         budget_ms = min(self.limits.max_latency_ms, timeout_ms or math.inf)
         deadline = now + budget_ms / 1000
@@ -147,15 +148,21 @@ class Batcher(Generic[Rows]):
                     )
                 )
             own_cost = rows * (speed.cost_per_row or 1.0)
+            ahead = self._drain_seconds(now)
             finish = now + self._drain_seconds(now, extra_cost=own_cost)
             if finish > deadline:
-                raise self._refuse(
-                    DeadlineUnmet(
-                        f"the {self._metrics.endpoint} model cannot answer within {budget_ms:.0f} ms: "
-                        f"about {1000 * (finish - now):.0f} ms of work is queued",
-                        retry_after_s=finish - deadline,
+                if ahead == 0 and timeout_ms is None:
+                    # Too big for the server's deadline on an idle engine: refusing would not make
+                    # room for anyone, so it runs, as soon as it can, with no deadline to expire.
+                    deadline = math.inf
+                else:
+                    raise self._refuse(
+                        DeadlineUnmet(
+                            f"the {self._metrics.endpoint} model cannot answer within {budget_ms:.0f} ms: "
+                            f"about {1000 * (finish - now):.0f} ms of work would be ahead of its answer",
+                            retry_after_s=finish - deadline,
+                        )
                     )
-                )
             queue.reserved_rows += rows
             queue.reserved_cost += own_cost
         admission = Admission(deadline=deadline, reserved_rows=rows, reserved_cost=own_cost)
