@@ -9,7 +9,7 @@ SERVED_RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
 RECIPES ?= $(SERVED_RECIPES) $(filter-out $(SERVED_RECIPES),$(wildcard models/*.yaml))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants
+.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,10 @@ loadtest: setup
 BENCH_ARGS ?=
 bench: setup
 	$(PY) -m bench.serving $(BENCH_ARGS)
+
+# A flood at 4 × the knee's concurrency for 60 s per endpoint: goodput, refusal speed, recovery.
+bench-overload: setup
+	$(PY) -m bench.overload $(BENCH_ARGS)
 
 # Every variant of each model's latest pipeline run against its FP32 export, at the batch the
 # optimization targets name (32; text rows of 128 tokens), timed interleaved.

@@ -1,0 +1,300 @@
+"""`make bench-overload` / `python -m bench.overload`: goodput under a flood, and recovery after it.
+
+Per endpoint (image: one photo per /classify request; text: one sentence per /embed request),
+against one `bentoml serve` of the manifest's models:
+
+1. unloaded: concurrency 1 → p50/p99, the reference for recovery;
+2. knee: a closed-loop sweep (loadtest) → the best throughput with p99 within the SLO;
+3. flood: `--factor` × the knee's concurrency for `--flood-s` seconds → goodput (200s per
+   second), the accepted requests' p99 against the SLO, the refusals' p99 and their statuses;
+4. recovery: from the moment the flood stops, concurrency 1 again; p99 per half second, and the
+   time from which it stays within 1.5 × the unloaded p99.
+
+The SLO is the route's `max_latency_ms`, the deadline the service admits requests against.
+A table, JSON and a timeline plot per endpoint go to reports/bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BUCKET_S = 0.5
+RECOVERED_WITHIN = 1.5  # × the unloaded p99
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--manifest", type=Path, help="serve this manifest's models (default: build both recipes)")
+    parser.add_argument("--models", default="image,text", help="which of image,text to flood")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="sweep levels that find the knee")
+    parser.add_argument("--factor", type=float, default=4.0, help="flood concurrency = factor × the knee's")
+    parser.add_argument("--flood-concurrency", type=int, help="a fixed flood concurrency instead (e.g. 256)")
+    parser.add_argument("--flood-s", type=float, default=60.0)
+    parser.add_argument("--unloaded-s", type=float, default=10.0)
+    parser.add_argument("--recovery-s", type=float, default=6.0)
+    parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: short phases")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.flood_s, args.unloaded_s, args.recovery_s = "1,4", 5.0, 3.0, 3.0
+    return args
+
+
+@dataclass(frozen=True)
+class FloodResult:
+    concurrency: int
+    seconds: float
+    goodput: float  # 200s per second
+    statuses: dict[str, int]
+    accepted_p99_ms: float | None
+    refused_p99_ms: float | None  # 429 and 503 answers
+    recovery_p99_ms: list[float | None]  # per BUCKET_S from the flood's end
+    recovered_after_s: float | None  # start of the first bucket from which p99 stays within bound
+
+
+async def flood_then_recover(
+    url: str, requests: list, *, concurrency: int, bound_ms: float, args: argparse.Namespace
+) -> FloodResult:
+    """The flood, then a lone client from the instant the flood's clients stop sending."""
+    from loadtest.client import Pool
+    from loadtest.generator import closed_loop
+    from loadtest.stats import Recorder
+
+    flood, probe = Recorder(), Recorder()
+    stop_flood, stop_probe = asyncio.Event(), asyncio.Event()
+    flood_pool, probe_pool = Pool(url, timeout=30), Pool(url, timeout=30)
+    flooding = asyncio.create_task(
+        closed_loop(flood_pool, requests, concurrency=concurrency, stop=stop_flood, recorder=flood)
+    )
+    started = time.perf_counter()
+    await asyncio.sleep(args.flood_s)
+    stop_flood.set()
+    stopped = time.perf_counter()
+    probing = asyncio.create_task(closed_loop(probe_pool, requests, concurrency=1, stop=stop_probe, recorder=probe))
+    await asyncio.sleep(args.recovery_s)
+    stop_probe.set()
+    await asyncio.gather(flooding, probing)
+    flood_pool.close()
+    probe_pool.close()
+    return summarize_flood(flood.between(started, stopped), probe.outcomes, started, stopped, concurrency, bound_ms)
+
+
+def summarize_flood(
+    flooded: list, probed: list, started: float, stopped: float, concurrency: int, bound_ms: float
+) -> FloodResult:
+    """Flood figures from the requests that finished while it lasted; recovery per half second."""
+    from collections import Counter
+
+    from loadtest.stats import latency_ms
+
+    accepted = latency_ms([o.latency for o in flooded if o.ok])
+    refused = latency_ms([o.latency for o in flooded if o.status in ("429", "503")])
+    last = max((o.finished - stopped for o in probed), default=0.0)
+    buckets: list[list[float]] = [[] for _ in range(int(last / BUCKET_S) + 1)]
+    for outcome in probed:
+        buckets[int((outcome.finished - stopped) / BUCKET_S)].append(outcome.latency)
+    seconds = stopped - started
+    return FloodResult(
+        concurrency=concurrency,
+        seconds=seconds,
+        goodput=sum(o.ok for o in flooded) / seconds,
+        statuses=dict(sorted(Counter(o.status for o in flooded).items())),
+        accepted_p99_ms=accepted.p99 if accepted else None,
+        refused_p99_ms=refused.p99 if refused else None,
+        recovery_p99_ms=[latency_ms(b).p99 if b else None for b in buckets],
+        recovered_after_s=recovered_after(buckets, bound_ms),
+    )
+
+
+def recovered_after(buckets: list[list[float]], bound_ms: float) -> float | None:
+    """Seconds from the flood's end to the first bucket whose own p99, and the p99 of every later
+    request pooled, are within bound: pooled like the unloaded p99 it is held to, so one slow
+    request in a later half second of a few dozen cannot decide it."""
+    from loadtest.stats import latency_ms
+
+    for index, bucket in enumerate(buckets):
+        own = latency_ms(bucket)
+        later = latency_ms([latency for rest in buckets[index:] for latency in rest])
+        if own is not None and later is not None and max(own.p99, later.p99) <= bound_ms:
+            return index * BUCKET_S
+    return None
+
+
+def verdicts(knee_throughput: float, unloaded_p99_ms: float, slo_ms: float, flood: FloodResult) -> dict[str, Any]:
+    recovered = flood.recovered_after_s
+    return {
+        "goodput_vs_knee": {
+            "ratio": flood.goodput / knee_throughput,
+            "target": ">= 0.9",
+            "met": flood.goodput >= 0.9 * knee_throughput,
+        },
+        "refusals_p99_ms": {
+            "value": flood.refused_p99_ms,
+            "target": "<= 5 (none refused counts as met)",
+            "met": flood.refused_p99_ms is None or flood.refused_p99_ms <= 5,
+        },
+        "accepted_p99_vs_slo_ms": {
+            "value": flood.accepted_p99_ms,
+            "slo": slo_ms,
+            "met": flood.accepted_p99_ms is not None and flood.accepted_p99_ms <= slo_ms,
+        },
+        "recovered_within_2_s": {
+            "value_s": recovered,
+            "bound_ms": RECOVERED_WITHIN * unloaded_p99_ms,
+            "met": recovered is not None and recovered <= 2.0,
+        },
+    }
+
+
+def measure_endpoint(url: str, payloads: list, slo_ms: float, args: argparse.Namespace) -> dict[str, Any]:
+    import uvloop
+
+    from loadtest.generator import post_requests
+    from loadtest.sweep import SweepSettings, run_sweep
+
+    def sweep(levels: tuple[float, ...], warmup: float, window: float) -> Any:
+        settings = SweepSettings(
+            url=url, levels=levels, slo_ms=slo_ms, warmup_s=warmup, window_s=window, max_windows=4, metrics_url=""
+        )
+        return run_sweep(settings, payloads, {"items": len(payloads)})
+
+    unloaded = sweep((1,), 1.0, args.unloaded_s / 3).levels[0].result.latency_ms
+    knee = sweep(tuple(float(c) for c in args.concurrency.split(",")), 1.0, 2.0).knee
+    if knee is None or unloaded is None:
+        raise RuntimeError(f"{url}: no level within the SLO of {slo_ms} ms; nothing to flood")
+    concurrency = args.flood_concurrency or max(1, round(args.factor * knee.level))
+    print(f"flooding {url} at concurrency {concurrency} for {args.flood_s:g} s …", file=sys.stderr)
+    requests = post_requests(url, payloads)
+    bound_ms = RECOVERED_WITHIN * unloaded.p99
+    flood = uvloop.run(flood_then_recover(url, requests, concurrency=concurrency, bound_ms=bound_ms, args=args))
+    return {
+        "slo_ms": slo_ms,
+        "unloaded": asdict(unloaded),
+        "knee": {"concurrency": knee.level, "throughput": knee.throughput, "p99_ms": knee.p99_ms},
+        "flood": asdict(flood),
+        "targets": verdicts(knee.throughput, unloaded.p99, slo_ms, flood),
+    }
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from bench.serving import number_text, verdict_text
+
+    table = Table(title="overload: a flood at factor × the knee's concurrency")
+    for column in (
+        "model",
+        "knee req/s (conc.)",
+        "flood conc.",
+        "goodput req/s",
+        "accepted p99 ms (SLO)",
+        "refused p99 ms",
+        "statuses",
+        "recovered after s",
+    ):
+        table.add_column(column, justify="right")
+    for model, r in results["models"].items():
+        flood = r["flood"]
+        table.add_row(
+            model,
+            f"{r['knee']['throughput']:.1f} ({r['knee']['concurrency']:g})",
+            str(flood["concurrency"]),
+            f"{flood['goodput']:.1f}",
+            f"{number_text(flood['accepted_p99_ms'])} ({r['slo_ms']:g})",
+            number_text(flood["refused_p99_ms"]),
+            " ".join(f"{k}:{v}" for k, v in flood["statuses"].items()),
+            number_text(flood["recovered_after_s"]),
+        )
+    console = Console(width=180)
+    console.print(table)
+    for model, r in results["models"].items():
+        for name, verdict in r["targets"].items():
+            console.print(f"{model}: {name}: {verdict_text(verdict)}")
+
+
+def write_plot(results: dict[str, Any], path: Path) -> None:
+    """Recovery p99 per half second after the flood, against 1.5 × the unloaded p99."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for model, r in results["models"].items():
+        p99s = r["flood"]["recovery_p99_ms"]
+        line = axes.plot([i * BUCKET_S for i in range(len(p99s))], p99s, marker="o", label=f"{model} p99")[0]
+        axes.axhline(
+            RECOVERED_WITHIN * r["unloaded"]["p99"],
+            color=line.get_color(),
+            linestyle="--",
+            label=f"{model}: 1.5 × unloaded p99",
+        )
+    axes.set_yscale("log")
+    axes.set_xlabel("seconds after the flood stopped")
+    axes.set_ylabel("p99 latency at concurrency 1 (ms)")
+    axes.set_title("recovery after the flood")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from bench.serving import machine, prepare_store
+
+    manifest_path = prepare_store(args)
+    from bench.processes import free_port, running
+    from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
+    from pipeline.samples import sample_texts
+    from serving.manifest import load_manifest
+
+    manifest = load_manifest(manifest_path)
+    results: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"manifest": str(manifest_path)}}
+    results["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+    results["models"] = {}
+    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "bentoml",
+        "serve",
+        "service:Optiserve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    log = args.out / f"logs-{stamp}" / "optiserve-overload.log"
+    with running(command, url=f"http://127.0.0.1:{port}", env=env, cwd=REPO, log=log) as url:
+        for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+            if model == "image":
+                route, payloads, path = manifest.classify, image_payloads(sample_photo_files()), "/classify"
+            else:
+                route, payloads, path = manifest.embed, text_payloads(sample_texts(64)), "/embed"
+            results["models"][model] = measure_endpoint(url + path, payloads, float(route.max_latency_ms), args)
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    print_summary(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"overload-{stamp}.json"
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_plot(results, args.out / f"overload-{stamp}.png")
+    print(f"wrote {path} and {path.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The overload benchmark's figures: goodput over the flood, refusal latency, recovery time."""
+
+from __future__ import annotations
+
+from bench.overload import BUCKET_S, recovered_after, summarize_flood, verdicts
+from loadtest.stats import Outcome
+
+
+def test_recovery_starts_at_the_first_bucket_from_which_the_pooled_p99_stays_within_bound() -> None:
+    slow, quick = [0.9] * 10, [0.005] * 99
+    assert recovered_after([slow, slow, quick, quick], bound_ms=10.0) == 2 * BUCKET_S
+    assert recovered_after([quick, [*quick, 0.02], quick], bound_ms=10.0) == 0.0, "one slow request in 300"
+    assert recovered_after([quick, slow], bound_ms=10.0) is None
+
+
+def test_flood_figures_count_goodput_per_second_and_refusals_apart_from_accepted() -> None:
+    started, stopped = 100.0, 110.0
+    flooded = [Outcome(finished=100.0 + i / 10, latency=0.2, status="200") for i in range(50)]
+    flooded += [Outcome(finished=105.0, latency=0.002, status="503") for _ in range(99)]
+    flooded += [Outcome(finished=105.0, latency=0.004, status="429")]
+    probed = [Outcome(finished=stopped + 0.1, latency=0.5, status="200")]
+    probed += [Outcome(finished=stopped + 0.6 + i / 100, latency=0.004, status="200") for i in range(40)]
+
+    flood = summarize_flood(flooded, probed, started, stopped, concurrency=32, bound_ms=6.0)
+
+    assert flood.goodput == 5.0
+    assert flood.statuses == {"200": 50, "429": 1, "503": 99}
+    assert flood.accepted_p99_ms == 200.0 and flood.refused_p99_ms == 2.0
+    assert flood.recovery_p99_ms[0] == 500.0 and flood.recovered_after_s == BUCKET_S
+
+
+def test_targets_follow_the_issue() -> None:
+    flooded = [Outcome(finished=1.0, latency=0.1, status="200") for _ in range(95)]
+    flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0)
+
+    met = verdicts(knee_throughput=100.0, unloaded_p99_ms=5.0, slo_ms=1000.0, flood=flood)
+
+    assert met["goodput_vs_knee"]["met"] and met["refusals_p99_ms"]["met"] and met["accepted_p99_vs_slo_ms"]["met"]
+    assert not verdicts(knee_throughput=120.0, unloaded_p99_ms=5.0, slo_ms=1000.0, flood=flood)["goodput_vs_knee"][
+        "met"
+    ]
