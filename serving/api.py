@@ -187,10 +187,12 @@ async def classify(
     deadline_ms: float | None = Depends(client_deadline_ms),
 ) -> ClassifyResponse:
     service = front()
-    uploads, form = await read_uploads(request, "image")
-    if len(uploads) != 1:
-        raise InvalidInput(f"/classify takes one image, got {len(uploads)}; use /classify_batch")
-    (predictions,) = await classifier(service).classify(uploads, resolve_top_k(top_k, form), timeout_ms=deadline_ms)
+    images = classifier(service)
+    with images.admit(1, timeout_ms=deadline_ms) as admission:  # before the upload is even read
+        uploads, form = await read_uploads(request, "image")
+        if len(uploads) != 1:
+            raise InvalidInput(f"/classify takes one image, got {len(uploads)}; use /classify_batch")
+        (predictions,) = await images.classify(uploads, resolve_top_k(top_k, form), admission)
     return ClassifyResponse(model=service.classifier_tag, predictions=predictions)
 
 
@@ -207,8 +209,10 @@ async def classify_batch(
     deadline_ms: float | None = Depends(client_deadline_ms),
 ) -> ClassifyBatchResponse:
     service = front()
+    images = classifier(service)
     uploads, form = await read_uploads(request, "images")
-    results = await classifier(service).classify(uploads, resolve_top_k(top_k, form), timeout_ms=deadline_ms)
+    with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:
+        results = await images.classify(uploads, resolve_top_k(top_k, form), admission)
     return ClassifyBatchResponse(model=service.classifier_tag, results=results)
 
 

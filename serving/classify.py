@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import numpy as np
 
+from serving.batching import Admission
 from serving.errors import InputTooLarge, InvalidInput
 from serving.images import check_content_type, decode_image, resize_center_crop
 from serving.model_calls import BatchedModel
@@ -57,19 +59,20 @@ class ImageClassifier:
         self.model = model
         self.max_items_per_request = max_items_per_request
 
-    async def classify(
-        self, uploads: list[ImageUpload], top_k: int, *, timeout_ms: float | None = None
-    ) -> list[list[Prediction]]:
-        """Admitted (or refused) before any image is decoded: decoding is the costly part of a request."""
-        if not uploads:
+    def admit(self, images: int, *, timeout_ms: float | None = None) -> AbstractContextManager[Admission]:
+        """A place in the model's queue for `images` images, or a refusal (serving/batching.py):
+        taken before anything costly, the body's upload for one image, its decoding for several."""
+        if images < 1:
             raise InvalidInput("no image in the request")
-        if len(uploads) > self.max_items_per_request:
-            raise InputTooLarge(f"{len(uploads)} images in one request; the limit is {self.max_items_per_request}")
+        if images > self.max_items_per_request:
+            raise InputTooLarge(f"{images} images in one request; the limit is {self.max_items_per_request}")
+        return self.model.admit(images, timeout_ms=timeout_ms)
+
+    async def classify(self, uploads: list[ImageUpload], top_k: int, admission: Admission) -> list[list[Prediction]]:
         if top_k < 1:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
-        with self.model.admit(len(uploads), timeout_ms=timeout_ms) as admission:
-            pixels = await asyncio.gather(
-                *(anyio.to_thread.run_sync(prepare_image, upload, self.spec) for upload in uploads)
-            )
-            probabilities = await self.model.run(np.stack(pixels), admission)
+        pixels = await asyncio.gather(
+            *(anyio.to_thread.run_sync(prepare_image, upload, self.spec) for upload in uploads)
+        )
+        probabilities = await self.model.run(np.stack(pixels), admission)
         return [top_k_predictions(row, self.class_names, top_k) for row in probabilities]
