@@ -1,1 +1,1 @@
-"""Benchmarks: scripts that print a table and write JSON (DESIGN.md, Benchmarks). Not tests."""
+"""Benchmarks: scripts that print a table and write JSON, results in BENCHMARKS.md. Not tests."""

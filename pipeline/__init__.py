@@ -2,6 +2,6 @@
 
 import os
 
-# Models come from packages or local paths, never from a hub (DESIGN.md, decision 8).
+# Models come from packages or local paths, never from a hub: many users' machines cannot reach one.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -93,7 +93,7 @@ def serving_graph(recipe: Recipe, source: SourceModel) -> ServingGraph:
 
 
 def export_onnx(graph: ServingGraph, path: Path, *, opset: int) -> Path:
-    """TorchScript exporter: its graphs fuse well in ORT's optimizers (see DESIGN.md)."""
+    """TorchScript exporter: its graphs fuse well in ONNX Runtime's transformer optimizer."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.inference_mode(False):
         # Tracer and constant-folding notices; the export check judges the result instead.

@@ -47,7 +47,7 @@ class VariantInputs:
         return self.task == "text-embedding"
 
     def base(self) -> Path:
-        """Quantize the fused graph when graph optimization produced one (DESIGN.md measurements)."""
+        """Quantize the fused graph when graph optimization produced one: fused ops quantize faster."""
         return self.built.get("graph-opt", self.fp32)
 
 

@@ -1,4 +1,4 @@
-"""How containers run on these machines (DESIGN.md): the local base image and podman's run flags."""
+"""How containers run here (README, Release): the local base image and podman's run flags."""
 
 LOCAL_BASE_IMAGE = "localhost/optiserve-base:bookworm"
 RUN_FLAGS = [

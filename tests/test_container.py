@@ -2,7 +2,7 @@
 
 Built from the test session's own model store and serving manifest (conftest.py), never from
 the user's ~/bentoml or serving-manifest.json. The image is built with podman the way
-DESIGN.md says works on these machines, started on a free port, asked to classify a photo and
+the README's Release section describes, started on a free port, asked to classify a photo and
 embed sentences over HTTP, stopped, and removed with the image. podman and runc are installed
 with apt-get when missing (CI starts from a clean machine); the tests skip only when that is
 impossible or podman cannot work here.
