@@ -124,7 +124,6 @@ class Batcher(Generic[Rows]):
         self._work = threading.Condition(self._queue.lock)
         self._speed = _Speed(cost_per_row=None if tokens else 1.0)
         self._thread: threading.Thread | None = None
-        self._closed = False
 
     # --- the loop's side ---------------------------------------------------------------------
 
@@ -149,7 +148,7 @@ class Batcher(Generic[Rows]):
                 )
             own_cost = rows * (speed.cost_per_row or 1.0)
             ahead = self._drain_seconds(now)
-            finish = now + self._drain_seconds(now, extra_cost=own_cost)
+            finish = now + ahead + own_cost * (speed.seconds_per_cost or 0.0)
             if finish > deadline:
                 if ahead == 0 and timeout_ms is None:
                     # Too big for the server's deadline on an idle engine: refusing would not make
@@ -172,14 +171,14 @@ class Batcher(Generic[Rows]):
             if not admission.submitted:
                 self._release(admission)
 
-    def _drain_seconds(self, now: float, extra_cost: float = 0.0) -> float:
-        """Engine time until everything admitted so far, plus `extra_cost`, has run. Caller holds the lock."""
+    def _drain_seconds(self, now: float) -> float:
+        """Engine time until everything admitted so far has run. Caller holds the lock."""
         per_cost = self._speed.seconds_per_cost
         if per_cost is None:  # nothing measured yet: admit, and learn from the first batch
             return 0.0
         queue = self._queue
         running_left = max(0.0, queue.running_since + queue.running_cost * per_cost - now) if queue.running_cost else 0
-        return running_left + (queue.queued_cost + queue.reserved_cost + extra_cost) * per_cost
+        return running_left + (queue.queued_cost + queue.reserved_cost) * per_cost
 
     def _refuse(self, error: Refused) -> Refused:
         self._metrics.refused(error.reason)
@@ -187,8 +186,12 @@ class Batcher(Generic[Rows]):
 
     def _release(self, admission: Admission) -> None:
         with self._queue.lock:
-            self._queue.reserved_rows -= admission.reserved_rows
-            self._queue.reserved_cost -= admission.reserved_cost
+            self._unreserve(admission)
+
+    def _unreserve(self, admission: Admission) -> None:
+        """Caller holds the lock."""
+        self._queue.reserved_rows -= admission.reserved_rows
+        self._queue.reserved_cost -= admission.reserved_cost
 
     async def run(self, rows: Rows, admission: Admission) -> np.ndarray:
         """Outputs for `rows`, in order; rows beyond one batch's caps are split into several."""
@@ -196,8 +199,7 @@ class Batcher(Generic[Rows]):
         now = time.monotonic()
         pieces = [self._pending(part, admission.deadline, now, loop) for part in self._split(rows)]
         with self._queue.lock:
-            self._queue.reserved_rows -= admission.reserved_rows
-            self._queue.reserved_cost -= admission.reserved_cost
+            self._unreserve(admission)
             admission.submitted = True
             for piece in pieces:
                 self._queue.pending.append(piece)
@@ -256,20 +258,13 @@ class Batcher(Generic[Rows]):
                     piece.future.set_result(outputs[offset : offset + piece.count])
             offset += piece.count
 
-    def close(self) -> None:
-        with self._work:
-            self._closed = True
-            self._work.notify()
-
     # --- the engine thread's side ------------------------------------------------------------
 
     def _engine(self, loop: asyncio.AbstractEventLoop) -> None:
         while True:
             with self._work:
-                while not self._queue.pending and not self._closed:
+                while not self._queue.pending:
                     self._work.wait()
-                if self._closed:
-                    return
                 now = time.monotonic()
                 batch, expired = self._take_batch(now)
             for piece in batch:
@@ -296,19 +291,17 @@ class Batcher(Generic[Rows]):
         per_cost = self._speed.seconds_per_cost or 0.0
         while queue.pending:
             piece = queue.pending[0]
-            if piece.future.cancelled() or now + piece.cost * per_cost > piece.deadline:
-                queue.pending.popleft()
-                queue.queued_rows -= piece.count
-                queue.queued_cost -= piece.cost
-                if not piece.future.cancelled():
-                    expired.append(piece)
-                continue
+            hopeless = piece.future.cancelled() or now + piece.cost * per_cost > piece.deadline
             grown_longest, grown_total = max(longest, piece.longest), total + piece.tokens
-            if batch and not self._fits(rows + piece.count, grown_longest, grown_total):
+            if not hopeless and batch and not self._fits(rows + piece.count, grown_longest, grown_total):
                 break
             queue.pending.popleft()
             queue.queued_rows -= piece.count
             queue.queued_cost -= piece.cost
+            if hopeless:
+                if not piece.future.cancelled():
+                    expired.append(piece)
+                continue
             batch.append(piece)
             rows, cost, longest, total = rows + piece.count, cost + piece.cost, grown_longest, grown_total
         queue.running_cost, queue.running_since = cost, now
