@@ -252,39 +252,26 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from bench.serving import machine, prepare_store
+    from bench.serving import SAMPLE_TEXTS, machine, prepare_store, sample_payloads
 
     manifest_path = prepare_store(args)
-    from bench.processes import free_port, running
-    from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
+    from bench.processes import OPTISERVE, on_free_port
+    from loadtest.inputs import sample_photo_files
     from pipeline.samples import sample_texts
     from serving.manifest import load_manifest
 
     manifest = load_manifest(manifest_path)
+    files, texts = sample_photo_files(), sample_texts(SAMPLE_TEXTS)
     results: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"manifest": str(manifest_path)}}
     results["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
     results["models"] = {}
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
     env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "bentoml",
-        "serve",
-        "service:Optiserve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
     log = args.out / f"logs-{stamp}" / "optiserve-overload.log"
-    with running(command, url=f"http://127.0.0.1:{port}", env=env, cwd=REPO, log=log) as url:
+    with on_free_port(OPTISERVE, env=env, cwd=REPO, log=log) as url:
         for model in [m.strip() for m in args.models.split(",") if m.strip()]:
-            if model == "image":
-                route, payloads, path = manifest.classify, image_payloads(sample_photo_files()), "/classify"
-            else:
-                route, payloads, path = manifest.embed, text_payloads(sample_texts(64)), "/embed"
+            route = manifest.classify if model == "image" else manifest.embed
+            payloads, path = sample_payloads(model, files, texts)
             results["models"][model] = measure_endpoint(url + path, payloads, float(route.max_latency_ms), args)
     results["machine"]["load_average_at_end"] = os.getloadavg()
     print_summary(results)

@@ -6,12 +6,15 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+OPTISERVE = [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--host", "127.0.0.1"]
 
 
 def free_port() -> int:
@@ -40,6 +43,14 @@ def running(
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+@contextmanager
+def on_free_port(command: list[str], *, env: dict[str, str], cwd: Path, log: Path) -> Iterator[str]:
+    """`command --port N` on a free local port, as `running` does; yields its base URL."""
+    port = free_port()
+    with running([*command, "--port", str(port)], url=f"http://127.0.0.1:{port}", env=env, cwd=cwd, log=log) as url:
+        yield url
 
 
 def wait_ready(process: subprocess.Popen, url: str, log: Path, timeout: float) -> None:

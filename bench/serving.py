@@ -80,6 +80,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def sample_payloads(model: str, files: dict[str, bytes], texts: list[str]) -> tuple[list, str]:
+    """The requests every optiserve bench sends: one photo per /classify, one text per /embed."""
+    from loadtest.inputs import image_payloads, text_payloads
+
+    return (image_payloads(files), "/classify") if model == "image" else (text_payloads(texts), "/embed")
+
+
 def machine() -> dict[str, Any]:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), platform.processor())
@@ -321,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     import bentoml
 
     from bench.limit import image_limit, text_limit
-    from bench.processes import free_port, running
-    from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
+    from bench.processes import OPTISERVE, on_free_port
+    from loadtest.inputs import sample_photo_files, text_payloads
     from pipeline.samples import sample_texts
     from serving.manifest import load_manifest
     from serving.settings import PLACEMENT_ENV
@@ -350,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
 
     def payloads_for(model: str) -> tuple[list, str]:
-        return (image_payloads(files), "/classify") if model == "image" else (text_payloads(texts), "/embed")
+        return sample_payloads(model, files, texts)
 
     def naive_payloads_for(model: str) -> tuple[list, str]:
         if model == "image":
@@ -358,27 +365,23 @@ def main(argv: list[str] | None = None) -> int:
         return text_payloads(texts), "/embed"
 
     def measure_server(name: str, command: list[str], env: dict[str, str], cwd: Path, payloads_for) -> None:
-        port = free_port()
-        with running(
-            [*command, "--port", str(port)], url=f"http://127.0.0.1:{port}", env=env, cwd=cwd, log=logs / f"{name}.log"
-        ) as url:
+        with on_free_port(command, env=env, cwd=cwd, log=logs / f"{name}.log") as url:
             for model in models:
                 payloads, path = payloads_for(model)
                 results["models"][model][f"{name}_sweep"] = sweep(url + path, payloads, args, input_kind=model)
         results["servers"].append(name)
 
-    optiserve = [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--host", "127.0.0.1"]
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     for index, placement in enumerate(placements):
         name = "optiserve" if index == 0 else f"optiserve-{placement}"
-        measure_server(name, optiserve, {**env, PLACEMENT_ENV: placement}, REPO, payloads_for)
+        measure_server(name, OPTISERVE, {**env, PLACEMENT_ENV: placement}, REPO, payloads_for)
     baseline = None
     if args.baseline:
         baseline = f"baseline-{args.baseline}"
         baseline_manifest = (args.baseline_manifest or manifest_path).resolve()
         with git_checkout(args.baseline) as checkout:
             measure_server(
-                baseline, optiserve, {**env, "OPTISERVE_MANIFEST": str(baseline_manifest)}, checkout, payloads_for
+                baseline, OPTISERVE, {**env, "OPTISERVE_MANIFEST": str(baseline_manifest)}, checkout, payloads_for
             )
     measure_server("naive", [sys.executable, "-m", "bench.naive_server"], env, REPO, naive_payloads_for)
 
