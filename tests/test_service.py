@@ -270,21 +270,30 @@ def test_a_malformed_deadline_header_is_a_422_naming_it(server, value: str) -> N
 
 
 def test_a_flood_gets_answers_or_fast_refusals_with_retry_after_and_the_service_recovers(server) -> None:
-    """64 requests of 7 photos at once, each allowed 400 ms: seconds of work for 2 cores."""
+    """64 requests of 7 photos at once, each allowed 8 times what one takes alone: many times the
+    work the deadline leaves room for, yet enough for the first ones in, however slow the host."""
     files = [("images", (f"{name}.img", data)) for name, data in sample_photos().items()]
+    with server.client() as client:
+        alone = []
+        for _ in range(3):
+            response = client.post("/classify_batch", files=files)
+            assert response.status_code == 200, response.text
+            alone.append(response.elapsed.total_seconds())
+    deadline_ms = str(max(400, round(8_000 * max(alone))))
 
     async def flood() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             return await asyncio.gather(
-                *(client.post("/classify_batch", files=files, headers={"X-Deadline-Ms": "400"}) for _ in range(64))
+                *(client.post("/classify_batch", files=files, headers={"X-Deadline-Ms": deadline_ms}) for _ in range(64))
             )
 
     responses = asyncio.run(flood())
 
     statuses = [r.status_code for r in responses]
-    assert set(statuses) == {200, 503}, statuses
-    assert all(r.headers["retry-after"].isdigit() for r in responses if r.status_code == 503)
-    assert all(r.json()["type"] == "overloaded" for r in responses if r.status_code == 503)
+    refused = [r for r in responses if r.status_code != 200]
+    assert 200 in statuses and refused, (deadline_ms, statuses)
+    assert all(r.status_code in (429, 503) and r.headers["retry-after"].isdigit() for r in refused), statuses
+    assert all(r.json()["type"] == ("queue_full" if r.status_code == 429 else "overloaded") for r in refused)
     with server.client() as client:
         assert client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG).status_code == 200
 
