@@ -279,19 +279,19 @@ def test_a_flood_gets_answers_or_fast_refusals_with_retry_after_and_the_service_
             response = client.post("/classify_batch", files=files)
             assert response.status_code == 200, response.text
             alone.append(response.elapsed.total_seconds())
-    deadline_ms = str(max(400, round(8_000 * max(alone))))
+    deadline = str(max(400, round(8_000 * max(alone))))
 
     async def flood() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             return await asyncio.gather(
-                *(client.post("/classify_batch", files=files, headers={"X-Deadline-Ms": deadline_ms}) for _ in range(64))
+                *(client.post("/classify_batch", files=files, headers={"X-Deadline-Ms": deadline}) for _ in range(64))
             )
 
     responses = asyncio.run(flood())
 
     statuses = [r.status_code for r in responses]
     refused = [r for r in responses if r.status_code != 200]
-    assert 200 in statuses and refused, (deadline_ms, statuses)
+    assert 200 in statuses and refused, (deadline, statuses)
     assert all(r.status_code in (429, 503) and r.headers["retry-after"].isdigit() for r in refused), statuses
     assert all(r.json()["type"] == ("queue_full" if r.status_code == 429 else "overloaded") for r in refused)
     with server.client() as client:
