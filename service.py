@@ -12,8 +12,9 @@ from pathlib import Path
 
 import bentoml
 import numpy as np
+from starlette.responses import Response
 
-from serving.api import app
+from serving import api
 from serving.classify import ImageClassifier, load_class_names
 from serving.embed import TextEmbedder
 from serving.engine import EngineSettings
@@ -23,6 +24,14 @@ from serving.model_calls import MODEL_CONNECTIONS, BatchedModel, RemoteModel, in
 from serving.model_runtime import load_runtime, read_spec
 from serving.model_spec import TOKENIZER_FILE
 from serving.process import freeze_startup_heap
+from serving.schemas import (
+    ClassifyBatchRequest,
+    ClassifyBatchResponse,
+    ClassifyRequest,
+    ClassifyResponse,
+    EmbedRequest,
+    EmbedResponse,
+)
 from serving.settings import front_workers, model_placement
 from serving.text import TextTokenizer
 
@@ -85,8 +94,9 @@ if embed_route is not None and not IN_PROCESS:
 
 
 @bentoml.service(name="optiserve", workers=front_workers(), traffic={"timeout": 120})
-@bentoml.asgi_app(app, path="/")
 class Optiserve:
+    """Image classification and text embedding, each from a stored, measured ONNX model."""
+
     classifier: ImageClassifier | None = None
     classifier_tag = ""
     embedder: TextEmbedder | None = None
@@ -126,3 +136,25 @@ class Optiserve:
         if IN_PROCESS:
             return in_process_model(endpoint, stored, route, processes=front_workers())
         return RemoteModel(lambda: getattr(self, remote).to_async.predict, route)
+
+    # The endpoints read their own bodies (serving/api.py): BentoML passes the declared fields unread.
+
+    @bentoml.api(input_spec=ClassifyRequest, output_spec=ClassifyResponse)
+    async def classify(self, ctx: bentoml.Context, **unread: None) -> ClassifyResponse | Response:
+        """Classify one image: a multipart file field `image`, or the whole body as an image."""
+        return await api.answer(ctx, api.classify, self)
+
+    @bentoml.api(input_spec=ClassifyBatchRequest, output_spec=ClassifyBatchResponse)
+    async def classify_batch(self, ctx: bentoml.Context, **unread: None) -> ClassifyBatchResponse | Response:
+        """Classify several images (repeated multipart field `images`), answered in request order."""
+        return await api.answer(ctx, api.classify_batch, self)
+
+    @bentoml.api(input_spec=EmbedRequest, output_spec=EmbedResponse)
+    async def embed(self, ctx: bentoml.Context, **unread: None) -> EmbedResponse | Response:
+        """Embed texts (interactive: refused at once when it cannot be answered in time)."""
+        return await api.answer(ctx, api.embed, self)
+
+    @bentoml.task(input_spec=EmbedRequest, output_spec=EmbedResponse)
+    async def embed_bulk(self, ctx: bentoml.Context, **unread: None) -> EmbedResponse | Response:
+        """Embed a large job of texts at low priority, in the engine's spare time: submit, poll, get."""
+        return await api.answer(ctx, api.embed_bulk, self)

@@ -1,31 +1,40 @@
-"""The public HTTP API: request parsing, content negotiation and the one error-to-status map.
+"""The public API's request handling: body parsing, admission order and the one error-to-status map.
 
-Mounted into the front BentoML service. Image endpoints read the body themselves so that a
-file is only ever bytes from the request (BentoML's file inputs would fetch URLs) and so that
-multipart and raw bodies share one path.
+The endpoints are BentoML APIs of the front service (service.py), so BentoML's clients, its
+playground, `bentoml.depends` and the OpenAPI document see them; each takes its BentoML
+context and calls one function here with the request. Bodies are read here, not by BentoML
+(serving/schemas.py `RequestBody`): multipart and raw image bodies share one path, a file is
+only ever bytes from the request, /classify is admitted before its upload is read, and every
+error, ours or a bug, answers in one JSON schema with its own status, where BentoML would
+answer a validation error with 400 in its own shape and anything else with 500.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import bentoml
 from bentoml.exceptions import BentoMLException
-from fastapi import Depends, FastAPI, Header, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 
 from serving.classify import ImageClassifier, ImageUpload
 from serving.embed import TextEmbedder, encode_base64_f16
 from serving.errors import InputTooLarge, InvalidInput, ModelUnavailable, RequestError, UnsupportedMediaType
 from serving.images import DEFAULT_MAX_BYTES
-from serving.schemas import ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse, ErrorBody
+from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
+
+logger = logging.getLogger(__name__)
 
 
 class Front(Protocol):
-    """What the front BentoML service instance offers the routes."""
+    """What the front BentoML service instance offers the endpoints."""
 
     classifier: ImageClassifier | None
     classifier_tag: str
@@ -33,123 +42,130 @@ class Front(Protocol):
     embedder_tag: str
 
 
-MAX_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody} for status in (400, 413, 415, 422, 429, 503)
-}
+MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
+MAX_EMBED_BODY_BYTES = 4 * 1024 * 1024
+MAX_BULK_BODY_BYTES = 64 * 1024 * 1024
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 DEADLINE_HEADER = "X-Deadline-Ms"
 MAX_DEADLINE_MS = 600_000
-
-
-def _image_body(*, multipart_field: str, many: bool) -> dict[str, Any]:
-    binary = {"type": "string", "format": "binary"}
-    field = {"type": "array", "items": binary} if many else binary
-    content: dict[str, Any] = {
-        "multipart/form-data": {
-            "schema": {
-                "type": "object",
-                "properties": {multipart_field: field, "top_k": {"type": "integer", "default": 5}},
-                "required": [multipart_field],
-            }
-        }
-    }
-    if not many:
-        content.update({media: {"schema": binary} for media in ("image/jpeg", "image/png", "image/webp", "image/bmp")})
-    return {"requestBody": {"required": True, "content": content}}
-
-
-app = FastAPI(title="optiserve", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-@app.exception_handler(RequestError)
-async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-    return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    summary = "; ".join(_describe(e) for e in errors)
-    body = {"error": summary, "type": "invalid_request", "detail": _json_safe(errors)}
-    return JSONResponse(body, status_code=HTTPStatus.UNPROCESSABLE_ENTITY)
-
-
+DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
 INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
 
+Answer = TypeVar("Answer", bound=BaseModel)
 
-@app.exception_handler(BentoMLException)
-async def _bentoml_error(_: Request, exc: BentoMLException) -> JSONResponse:
-    """Overload (the batcher's 503, in process or in a model service) and model-service errors."""
+
+@dataclass(frozen=True)
+class ErrorAnswer:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+async def answer(
+    ctx: bentoml.Context, endpoint: Callable[[Front, Request], Awaitable[Answer]], front: Front
+) -> Answer | Response:
+    """`endpoint`'s answer to the request BentoML is serving, or its error as our JSON body and
+    status. BentoML sets an API's status and headers from its context: an error's go there."""
+    try:
+        return await endpoint(front, UNREAD_REQUEST.get())
+    except Exception as exc:
+        error = error_answer(exc)
+    ctx.response.status_code = error.status
+    ctx.response.headers.update(error.headers)
+    return JSONResponse(error.body, status_code=error.status)
+
+
+def error_answer(exc: Exception) -> ErrorAnswer:
+    """Every error's status and body; a bug of ours says nothing internal (the log has it)."""
+    if isinstance(exc, RequestError):
+        return ErrorAnswer(exc.status, exc.to_json(), exc.headers or {})
+    if isinstance(exc, ValidationError):
+        return invalid_body(exc)
+    if isinstance(exc, BentoMLException):
+        return model_service_error(exc)
+    if isinstance(exc, ClientDisconnect):
+        return ErrorAnswer(HTTPStatus.BAD_REQUEST, {"error": "the client went away", "type": "client_disconnect"})
+    logger.error("internal error while serving the request", exc_info=exc)
+    return ErrorAnswer(HTTPStatus.INTERNAL_SERVER_ERROR, INTERNAL_ERROR)
+
+
+def invalid_body(exc: ValidationError) -> ErrorAnswer:
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    summary = "; ".join(_describe(e) for e in errors)
+    body = {"error": summary, "type": "invalid_request", "detail": [_json_safe(e) for e in errors]}
+    return ErrorAnswer(HTTPStatus.UNPROCESSABLE_ENTITY, body)
+
+
+def model_service_error(exc: BentoMLException) -> ErrorAnswer:
+    """Errors of a BentoML model service (the `service` placement): its batcher's 503 is overload."""
     status = exc.error_code
     if status >= 500 and status != HTTPStatus.SERVICE_UNAVAILABLE:
-        return JSONResponse(INTERNAL_ERROR, status_code=status)
-    headers = {"Retry-After": "1"} if status in (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS) else None
+        return ErrorAnswer(status, INTERNAL_ERROR)
+    retry = status in (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS)
     kind = "overloaded" if status == HTTPStatus.SERVICE_UNAVAILABLE else "model_service"
-    return JSONResponse({"error": str(exc), "type": kind}, status_code=status, headers=headers)
-
-
-@app.exception_handler(Exception)
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    """Our fault (an engine failure, a bug): JSON like every other error, with nothing internal in
-    it. Starlette re-raises the exception after this response, so the traceback reaches the log."""
-    return JSONResponse(INTERNAL_ERROR, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+    return ErrorAnswer(status, {"error": str(exc), "type": kind}, {"Retry-After": "1"} if retry else {})
 
 
 def _describe(error: dict[str, Any]) -> str:
     if error["type"] == "json_invalid":
-        return f"request body is not valid JSON (at character {error['loc'][-1]})"
-    location = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
+        return "request body is not valid JSON"
+    location = ".".join(str(part) for part in error["loc"]) or "body"
     return f"{location}: {error['msg']}"
 
 
-def _json_safe(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
+def _json_safe(error: dict[str, Any]) -> dict[str, Any]:
+    return {"loc": list(error["loc"]), "msg": error["msg"], "type": error["type"]}
 
 
-def front() -> Front:
-    return bentoml.get_current_service()
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-def require_json(request: Request) -> None:
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media != "application/json":
-        raise UnsupportedMediaType(f"content type {media or 'missing'!r}: this endpoint takes application/json")
+def check_declared_length(request: Request, limit: int) -> None:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
+        raise InputTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused as soon as it passes `limit` bytes, declared or chunked."""
+    check_declared_length(request, limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise InputTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def read_uploads(request: Request, field: str) -> tuple[list[ImageUpload], dict[str, str]]:
     """Image files from a multipart form (field `field`) or a raw image body, plus plain form fields."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise InputTooLarge(f"request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media == "multipart/form-data":
+    check_declared_length(request, MAX_IMAGE_BODY_BYTES)
+    media = media_type(request)
+    if media in FORM_TYPES:  # a form with no file in it is url-encoded (BentoML's client sends a URL so)
         form = await request.form(max_files=1024, max_fields=64)
         uploads = []
         for index, value in enumerate(form.getlist(field)):
             name = f"{field}[{index}]"
             if not isinstance(value, UploadFile):
-                raise InvalidInput(f"{name} must be a file upload, not a text field")
+                raise InvalidInput(f"{name} must be a file upload, not a text field (a URL or path is never fetched)")
             uploads.append(ImageUpload(await value.read(), value.content_type, name))
         if not uploads:
             raise InvalidInput(f"multipart body has no file field named {field!r}")
         fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
         return uploads, fields
     if media.startswith("image/") or media == "application/octet-stream":
-        return [ImageUpload(await request.body(), media, "body")], {}
+        return [ImageUpload(await read_body(request, MAX_IMAGE_BODY_BYTES), media, "body")], {}
     raise UnsupportedMediaType(
         f"content type {media or 'missing'!r}: send multipart/form-data with a {field!r} file, "
         "or a raw image body (image/jpeg, image/png, image/webp, image/bmp)"
     )
 
 
-def client_deadline_ms(
-    value: str | None = Header(
-        None,
-        alias=DEADLINE_HEADER,
-        description="Answer within this many milliseconds or refuse at once (503); capped by the server's own",
-    ),
-) -> float | None:
-    """The client's time budget for this request, if it sent one."""
+def client_deadline_ms(request: Request) -> float | None:
+    """The client's time budget for this request (X-Deadline-Ms), if it sent one."""
+    value = request.headers.get(DEADLINE_HEADER)
     if value is None:
         return None
     if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_DEADLINE_MS:
@@ -157,80 +173,75 @@ def client_deadline_ms(
     return float(value)
 
 
-def resolve_top_k(query_value: int | None, form: dict[str, str]) -> int:
-    raw = form.get("top_k")
-    if query_value is not None:
-        return query_value
+def resolve_top_k(request: Request, form: dict[str, str]) -> int:
+    """top_k from the query string, else the form (BentoML's clients send it JSON-encoded: the same digits)."""
+    raw = request.query_params.get("top_k", form.get("top_k"))
     if raw is None:
-        return 5
-    if not (raw.strip().isascii() and raw.strip().isdigit()):
-        raise InvalidInput(f"top_k must be a positive integer, got {raw!r}")
-    return int(raw)
+        return DEFAULT_TOP_K
+    value = raw.strip()
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_TOP_K:
+        raise InvalidInput(f"top_k must be a whole number from 1 to {MAX_TOP_K}, got {raw!r}")
+    return int(value)
 
 
-def classifier(service: Front) -> ImageClassifier:
-    if service.classifier is None:
+def classifier(front: Front) -> ImageClassifier:
+    if front.classifier is None:
         raise ModelUnavailable("no image-classification model is configured in this deployment")
-    return service.classifier
+    return front.classifier
 
 
-@app.post(
-    "/classify",
-    response_model=ClassifyResponse,
-    responses=ERROR_RESPONSES,
-    openapi_extra=_image_body(multipart_field="image", many=False),
-    summary="Classify one image",
-)
-async def classify(
-    request: Request,
-    top_k: int | None = Query(None, ge=1, le=1000, description="How many labels (default 5)"),
-    deadline_ms: float | None = Depends(client_deadline_ms),
-) -> ClassifyResponse:
-    service = front()
-    images = classifier(service)
-    with images.admit(1, timeout_ms=deadline_ms) as admission:  # before the upload is even read
+def embedder(front: Front) -> TextEmbedder:
+    if front.embedder is None:
+        raise ModelUnavailable("no text-embedding model is configured in this deployment")
+    return front.embedder
+
+
+async def classify(front: Front, request: Request) -> ClassifyResponse:
+    images = classifier(front)
+    with images.admit(1, timeout_ms=client_deadline_ms(request)) as admission:  # before the upload is read
         uploads, form = await read_uploads(request, "image")
         if len(uploads) != 1:
             raise InvalidInput(f"/classify takes one image, got {len(uploads)}; use /classify_batch")
-        (predictions,) = await images.classify(uploads, resolve_top_k(top_k, form), admission)
-    return ClassifyResponse(model=service.classifier_tag, predictions=predictions)
+        (predictions,) = await images.classify(uploads, resolve_top_k(request, form), admission)
+    return ClassifyResponse(model=front.classifier_tag, predictions=predictions)
 
 
-@app.post(
-    "/classify_batch",
-    response_model=ClassifyBatchResponse,
-    responses=ERROR_RESPONSES,
-    openapi_extra=_image_body(multipart_field="images", many=True),
-    summary="Classify several images in one request",
-)
-async def classify_batch(
-    request: Request,
-    top_k: int | None = Query(None, ge=1, le=1000, description="How many labels (default 5)"),
-    deadline_ms: float | None = Depends(client_deadline_ms),
-) -> ClassifyBatchResponse:
-    service = front()
-    images = classifier(service)
+async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse:
+    images = classifier(front)
+    deadline_ms = client_deadline_ms(request)
     uploads, form = await read_uploads(request, "images")
+    top_k = resolve_top_k(request, form)
     with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:
-        results = await images.classify(uploads, resolve_top_k(top_k, form), admission)
-    return ClassifyBatchResponse(model=service.classifier_tag, results=results)
+        results = await images.classify(uploads, top_k, admission)
+    return ClassifyBatchResponse(model=front.classifier_tag, results=results)
 
 
-@app.post(
-    "/embed",
-    response_model=EmbedResponse,
-    responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_json)],
-    summary="Embed texts",
-)
-async def embed(body: EmbedRequest, deadline_ms: float | None = Depends(client_deadline_ms)) -> EmbedResponse:
-    service = front()
-    if service.embedder is None:
-        raise ModelUnavailable("no text-embedding model is configured in this deployment")
-    vectors, tokens = await service.embedder.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms)
+async def embed_request(request: Request, limit: int) -> EmbedRequest:
+    media = media_type(request)
+    if media != "application/json":
+        raise UnsupportedMediaType(f"content type {media or 'missing'!r}: this endpoint takes application/json")
+    return EmbedRequest.model_validate_json(await read_body(request, limit))
+
+
+async def embed(front: Front, request: Request) -> EmbedResponse:
+    texts = embedder(front)
+    deadline_ms = client_deadline_ms(request)
+    body = await embed_request(request, MAX_EMBED_BODY_BYTES)
+    vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms)
+    return embed_response(front, body, vectors, tokens)
+
+
+async def embed_bulk(front: Front, request: Request) -> EmbedResponse:
+    texts = embedder(front)
+    body = await embed_request(request, MAX_BULK_BODY_BYTES)
+    vectors, tokens = await texts.embed_bulk(body.texts, truncate=body.truncate)
+    return embed_response(front, body, vectors, tokens)
+
+
+def embed_response(front: Front, body: EmbedRequest, vectors: Any, tokens: int) -> EmbedResponse:
     encoded = encode_base64_f16(vectors) if body.encoding_format == "base64" else vectors.tolist()
     return EmbedResponse(
-        model=service.embedder_tag,
+        model=front.embedder_tag,
         dimensions=int(vectors.shape[1]),
         encoding_format=body.encoding_format,
         embeddings=encoded,

@@ -13,6 +13,13 @@ tokens. It never waits for a batch to fill: under load the queue fills while the
 and a lone request runs at once. Forming batches on the engine thread rather than on the event
 loop keeps the engine busy while the loop is parsing HTTP: under load the loop is the busier
 of the two. Results go back to the loop in one hand-off per batch.
+
+Bulk work (`run_bulk`, behind the bulk task) has a lane of its own at low priority: it is
+never admitted against a deadline and its batches run only while no interactive request
+waits. Each is cut to about `BULK_BATCH_SECONDS` of engine time, the longest an interactive
+request arriving behind one waits for it, and while interactive requests keep coming the
+engine rests as long as each bulk batch ran, so that bulk work takes at most half of the
+engine's time and leaves the cores to the requests' own parsing and tokenizing.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ from serving.text import padded_tokens_bound
 Rows = TypeVar("Rows", np.ndarray, list)
 # Weight of the newest batch in the running estimates: about the last ten batches count.
 SMOOTHING = 0.2
+# Engine time of one bulk batch, once the engine's speed is known.
+BULK_BATCH_SECONDS = 0.002
+# Interactive traffic is "still coming" for this long after its last request.
+INTERACTIVE_QUIET_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,8 @@ class _Queue:
     """Everything the loop and the engine thread share, guarded by `lock`."""
 
     pending: deque[_Pending] = field(default_factory=deque)
+    bulk: deque[_Pending] = field(default_factory=deque)
+    last_interactive: float = -math.inf
     queued_rows: int = 0
     queued_cost: int = 0
     reserved_rows: int = 0
@@ -201,37 +214,55 @@ class Batcher(Generic[Rows]):
         with self._queue.lock:
             self._unreserve(admission)
             admission.submitted = True
+            self._queue.last_interactive = now
             for piece in pieces:
                 self._queue.pending.append(piece)
                 self._queue.queued_rows += piece.count
                 self._queue.queued_cost += piece.cost
                 self._speed.observe_request(piece.count, piece.cost)
             self._work.notify()
-        outputs = await asyncio.gather(*(piece.future for piece in pieces))
-        return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+        return await _gathered(pieces)
+
+    async def run_bulk(self, rows: Rows) -> np.ndarray:
+        """Outputs for `rows`, in order, computed at low priority in small batches (see above)."""
+        loop = self._start()
+        now = time.monotonic()
+        with self._queue.lock:
+            per_cost = self._speed.seconds_per_cost
+        cost_cap = max(1, int(BULK_BATCH_SECONDS / per_cost)) if per_cost else None
+        pieces = [self._pending(part, math.inf, now, loop) for part in self._split(rows, cost_cap=cost_cap)]
+        with self._queue.lock:
+            self._queue.bulk.extend(pieces)
+            self._work.notify()
+        return await _gathered(pieces)
 
     def _pending(self, rows: Rows, deadline: float, now: float, loop: asyncio.AbstractEventLoop) -> _Pending:
         if self._tokens:
             lengths = [len(row) for row in rows]
             longest, tokens = max(lengths), sum(lengths)
-            cost = padded_tokens_bound(len(rows), longest, tokens)
         else:
             longest = tokens = 0
-            cost = len(rows)
+        cost = self._cost(len(rows), longest, tokens)
         return _Pending(rows, len(rows), cost, longest, tokens, deadline, now, loop.create_future())
 
-    def _split(self, rows: Rows) -> list[Rows]:
-        """Consecutive parts that each fit one batch (a single over-long text still runs alone)."""
+    def _split(self, rows: Rows, *, cost_cap: int | None = None) -> list[Rows]:
+        """Consecutive parts that each fit one batch, and `cost_cap` if given (a single over-long
+        text still runs alone)."""
         parts: list[Rows] = []
         start = longest = total = 0
         for index, row in enumerate(rows):
             length = len(row) if self._tokens else 0
-            if index > start and not self._fits(index - start + 1, max(longest, length), total + length):
+            grown = (index - start + 1, max(longest, length), total + length)
+            if index > start and not (self._fits(*grown) and self._cost(*grown) <= (cost_cap or math.inf)):
                 parts.append(rows[start:index])
                 start, longest, total = index, 0, 0
             longest, total = max(longest, length), total + length
         parts.append(rows[start:])
         return parts
+
+    def _cost(self, rows: int, longest: int, tokens: int) -> int:
+        """A batch's cost in the unit the engine's speed is kept in: padded tokens or rows."""
+        return padded_tokens_bound(rows, longest, tokens) if self._tokens else rows
 
     def _fits(self, rows: int, longest: int, tokens: int) -> bool:
         """Whether a batch of `rows` rows (texts: of which the longest and the sum in tokens) is within the caps."""
@@ -261,13 +292,22 @@ class Batcher(Generic[Rows]):
     # --- the engine thread's side ------------------------------------------------------------
 
     def _engine(self, loop: asyncio.AbstractEventLoop) -> None:
+        rest = 0.0  # after a bulk batch under interactive traffic: as long as it ran
         while True:
             with self._work:
-                while not self._queue.pending:
+                while not self._queue.pending and not self._queue.bulk:
                     self._work.wait()
                 now = time.monotonic()
-                batch, expired = self._take_batch(now)
-            for piece in batch:
+                if not self._queue.pending and rest and now - self._queue.last_interactive < INTERACTIVE_QUIET_SECONDS:
+                    self._work.wait(rest)  # an interactive request wakes it early
+                    now = time.monotonic()
+                if self._queue.pending:
+                    batch, expired = self._take_batch(now)
+                    bulk = False
+                else:
+                    batch, expired = self._take_bulk(now), []
+                    bulk = True
+            for piece in batch if not bulk else ():
                 self._metrics.observe_queue_wait(now - piece.enqueued)
             for piece in expired:
                 error = self._refuse(
@@ -278,8 +318,19 @@ class Batcher(Generic[Rows]):
                     )
                 )
                 loop.call_soon_threadsafe(self._deliver, [piece], None, error)
+            rest = 0.0
             if batch:
+                started = time.perf_counter()
                 loop.call_soon_threadsafe(self._deliver, batch, *self._run_batch(batch))
+                rest = time.perf_counter() - started if bulk else 0.0
+
+    def _take_bulk(self, now: float) -> list[_Pending]:
+        """The oldest bulk piece, already cut to one bulk batch. Caller holds the lock."""
+        piece = self._queue.bulk.popleft()
+        if piece.future.cancelled():
+            return []
+        self._queue.running_cost, self._queue.running_since = piece.cost, now
+        return [piece]
 
     def _take_batch(self, now: float) -> tuple[list[_Pending], list[_Pending]]:
         """The waiting requests, oldest first, up to the caps; drops the cancelled and the hopeless.
@@ -323,6 +374,11 @@ class Batcher(Generic[Rows]):
         if error is None:
             self._metrics.observe_batch(seconds=elapsed, rows=rows)
         return outputs, error
+
+
+async def _gathered(pieces: list[_Pending]) -> np.ndarray:
+    outputs = await asyncio.gather(*(piece.future for piece in pieces))
+    return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
 
 
 def _merge(parts: list) -> np.ndarray | list:

@@ -14,6 +14,10 @@ from serving.text import TextTokenizer, check_text_batch
 # sentence, less than a hand-off to a worker thread and back costs; longer inputs (1.4 ms for
 # 2 000 characters) go to a thread so they never hold up other requests.
 INLINE_TOKENIZE_CHARS = 512
+# A bulk job is tokenized this many texts at a time in a worker thread, so that interactive
+# requests interleave with it instead of waiting behind thousands of texts.
+BULK_TOKENIZE_CHUNK = 128
+MAX_BULK_TEXTS = 20_000
 
 
 def encode_base64_f16(embeddings: np.ndarray) -> list[str]:
@@ -50,4 +54,17 @@ class TextEmbedder:
             else:
                 ids = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(texts, truncate=truncate))
             embeddings = await self.model.run(ids, admission)
+        return embeddings, sum(len(row) for row in ids)
+
+    async def embed_bulk(self, texts: list[str], *, truncate: bool) -> tuple[np.ndarray, int]:
+        """As `embed`, for up to MAX_BULK_TEXTS texts at low priority: never refused for a
+        deadline, run only in the engine's spare time (serving/batching.py)."""
+        check_text_batch(texts, max_items=MAX_BULK_TEXTS)
+        ids: list[list[int]] = []
+        for start in range(0, len(texts), BULK_TOKENIZE_CHUNK):
+            chunk = texts[start : start + BULK_TOKENIZE_CHUNK]
+            ids += await anyio.to_thread.run_sync(
+                lambda: self.tokenizer.encode(chunk, truncate=truncate, first_index=start)  # noqa: B023 (awaited here)
+            )
+        embeddings = await self.model.run_bulk(ids)
         return embeddings, sum(len(row) for row in ids)

@@ -52,6 +52,8 @@ class BatchedModel(Protocol):
 
     async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray: ...
 
+    async def run_bulk(self, rows: np.ndarray | list) -> np.ndarray: ...
+
 
 def in_process_model(endpoint: str, stored, route: Route, *, processes: int) -> Batcher:
     """The stored model's session in this process, behind our batcher with the route's limits."""
@@ -81,6 +83,10 @@ class RemoteModel:
         yield Admission(deadline=math.inf, reserved_rows=0, reserved_cost=0.0)
 
     async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray:
+        return await self.run_bulk(rows)
+
+    async def run_bulk(self, rows: np.ndarray | list) -> np.ndarray:
+        """The model service's batcher has no priorities: bulk rows queue like any others."""
         size = self._route.max_batch_size
         chunks = [rows[start : start + size] for start in range(0, len(rows), size)]
         return np.concatenate(await asyncio.gather(*(call_model(self._predict(), c) for c in chunks)))

@@ -1,6 +1,6 @@
 """Worker-process hygiene that keeps the latency tail flat.
 
-A worker holds a large, long-lived heap once BentoML, FastAPI, pydantic and ONNX Runtime are
+A worker holds a large, long-lived heap once BentoML, Starlette, pydantic and ONNX Runtime are
 imported and the models loaded. CPython's full (generation-2) collection walks all of it: in a
 front worker under load it ran every few seconds and took 55-110 ms, stalling every request in
 flight, which put p99 at concurrency 1 at many times p50. Freezing the heap after start-up moves

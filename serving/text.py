@@ -21,15 +21,16 @@ class TextTokenizer:
         self.max_length = max_length
         self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
 
-    def encode(self, texts: list[str], *, truncate: bool) -> list[list[int]]:
-        for index, text in enumerate(texts):
+    def encode(self, texts: list[str], *, truncate: bool, first_index: int = 0) -> list[list[int]]:
+        """`first_index`: the position of `texts[0]` in the request, for error messages."""
+        for index, text in enumerate(texts, start=first_index):
             if not text.strip():
                 raise InvalidInput(f"texts[{index}] is empty")
         encodings = self.tokenizer.encode_batch(texts)
         ids = [encoding.ids for encoding in encodings]
         if truncate:
             return [_truncate(row, self.max_length) for row in ids]
-        for index, row in enumerate(ids):
+        for index, row in enumerate(ids, start=first_index):
             if len(row) > self.max_length:
                 raise InputTooLarge(
                     f"texts[{index}] has {len(row)} tokens; the model takes at most "

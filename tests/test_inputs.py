@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from pipeline.samples import encode, sample_photos
+from serving.api import error_answer
 from serving.errors import (
     DeadlineUnmet,
     EmptyInput,
@@ -148,35 +149,10 @@ def test_equal_lengths_form_one_group() -> None:
     assert length_groups([7, 7, 7]) == [[0, 1, 2]]
 
 
-def response_when_a_handler_raises(exc: Exception):
-    """The real app's answer when one of its handlers raises `exc` (a route added for the call)."""
-    from fastapi.testclient import TestClient
-
-    from serving.api import app
-
-    @app.get("/raises-for-this-test")
-    async def raises() -> None:
-        raise exc
-
-    try:
-        with TestClient(app, raise_server_exceptions=False) as client:
-            return client.get("/raises-for-this-test")
-    finally:
-        app.router.routes.pop()
-
-
 def test_a_failure_of_ours_answers_json_500_without_internals() -> None:
-    """A bug of ours, and BentoML's own error when the endpoint runs outside a BentoML service
-    and cannot find its models, answer alike."""
-    from fastapi.testclient import TestClient
-
-    from serving.api import app
-
-    with TestClient(app, raise_server_exceptions=False) as client:
-        outside_bentoml = client.post("/embed", json={"texts": ["hello"]})
-    for response in (outside_bentoml, response_when_a_handler_raises(KeyError("internal detail"))):
-        assert response.status_code == HTTPStatus.INTERNAL_SERVER_ERROR
-        assert response.json() == {"error": "internal error while serving the request", "type": "internal"}
+    answer = error_answer(KeyError("internal detail"))
+    assert answer.status == HTTPStatus.INTERNAL_SERVER_ERROR
+    assert answer.body == {"error": "internal error while serving the request", "type": "internal"}
 
 
 @pytest.mark.parametrize(
@@ -187,17 +163,17 @@ def test_a_failure_of_ours_answers_json_500_without_internals() -> None:
     ],
 )
 def test_refusals_answer_their_status_with_retry_after(refusal: Refused, status: int, retry_after: str) -> None:
-    response = response_when_a_handler_raises(refusal)
-    assert response.status_code == status
-    assert response.headers["retry-after"] == retry_after
-    assert response.json() == {"error": refusal.message, "type": refusal.kind}
+    answer = error_answer(refusal)
+    assert answer.status == status
+    assert answer.headers["Retry-After"] == retry_after
+    assert answer.body == {"error": refusal.message, "type": refusal.kind}
 
 
 def test_a_model_service_shedding_load_answers_503_with_retry_after() -> None:
     """With the models in BentoML model services, BentoML's batcher sheds overload itself."""
     from bentoml.exceptions import ServiceUnavailable
 
-    response = response_when_a_handler_raises(ServiceUnavailable("process is overloaded"))
-    assert response.status_code == HTTPStatus.SERVICE_UNAVAILABLE
-    assert response.headers["retry-after"] == "1"
-    assert response.json() == {"error": "process is overloaded", "type": "overloaded"}
+    answer = error_answer(ServiceUnavailable("process is overloaded"))
+    assert answer.status == HTTPStatus.SERVICE_UNAVAILABLE
+    assert answer.headers["Retry-After"] == "1"
+    assert answer.body == {"error": "process is overloaded", "type": "overloaded"}

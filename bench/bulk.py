@@ -1,0 +1,200 @@
+"""`make bench-bulk` / `python -m bench.bulk`: a bulk embedding task beside interactive traffic.
+
+Against one `bentoml serve` of the manifest's models, with interactive /embed requests (one
+sentence each) at `--concurrency` throughout:
+
+1. unloaded: the interactive requests alone for `--unloaded-s` → p50/p99;
+2. bulk: a BentoML task (`/embed_bulk/submit`) embeds `--texts` corpus sentences while the
+   interactive load goes on; p50/p99 of the interactive requests that finished while the task
+   ran, and the task's time and texts/s;
+3. unloaded again, so that drift of the shared machine shows.
+
+Target: interactive p99 during the task ≤ 1.5 × the first unloaded p99. A table, JSON and a
+latency timeline plot go to reports/bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+P99_WITHIN = 1.5  # × the unloaded p99
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.bulk", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--manifest", type=Path, help="serve this manifest's models (default: build both recipes)")
+    parser.add_argument("--texts", type=int, default=5000, help="texts in the bulk task")
+    parser.add_argument("--concurrency", type=int, default=1, help="interactive clients")
+    parser.add_argument("--unloaded-s", type=float, default=15.0)
+    parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
+    return parser.parse_args(argv)
+
+
+async def interactive_beside_bulk(
+    base: str, interactive: list, bulk_texts: list[str], args: argparse.Namespace
+) -> dict:
+    """The three phases on one event loop: the load never pauses between them."""
+    import httpx
+
+    from loadtest.client import Pool
+    from loadtest.generator import closed_loop
+    from loadtest.stats import Recorder
+
+    recorder, stop, pool = Recorder(), asyncio.Event(), Pool(base + "/embed", timeout=30)
+    clients = args.concurrency
+    load = asyncio.create_task(closed_loop(pool, interactive, concurrency=clients, stop=stop, recorder=recorder))
+    marks = {"start": time.perf_counter()}
+    await asyncio.sleep(args.unloaded_s)
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        marks["bulk_submitted"] = time.perf_counter()
+        submitted = await client.post("/embed_bulk/submit", json={"texts": bulk_texts})
+        submitted.raise_for_status()
+        task_id = submitted.json()["task_id"]
+        while (status := (await client.get("/embed_bulk/status", params={"task_id": task_id})).json()["status"]) in (
+            "pending",
+            "in_progress",
+        ):
+            await asyncio.sleep(0.1)
+        marks["bulk_done"] = time.perf_counter()
+        result = await client.get("/embed_bulk/get", params={"task_id": task_id})
+    await asyncio.sleep(args.unloaded_s)
+    marks["end"] = time.perf_counter()
+    stop.set()
+    await load
+    pool.close()
+    embedded = len(result.json().get("embeddings", [])) if result.status_code == 200 else 0
+    return {"marks": marks, "outcomes": recorder, "task_status": status, "embedded": embedded}
+
+
+def summarize(run: dict, texts: int) -> dict[str, Any]:
+    from loadtest.stats import latency_ms
+
+    marks, recorder = run["marks"], run["outcomes"]
+
+    def phase(start: str, end: str) -> dict[str, Any]:
+        outcomes = recorder.between(marks[start], marks[end])
+        latency = latency_ms([o.latency for o in outcomes if o.ok])
+        failed = sum(not o.ok for o in outcomes)
+        return {"requests": len(outcomes), "failed": failed, "latency_ms": asdict(latency) if latency else None}
+
+    bulk_s = marks["bulk_done"] - marks["bulk_submitted"]
+    phases = {
+        "unloaded_before": phase("start", "bulk_submitted"),
+        "during_bulk": phase("bulk_submitted", "bulk_done"),
+        "unloaded_after": phase("bulk_done", "end"),
+    }
+    reference, during = phases["unloaded_before"]["latency_ms"], phases["during_bulk"]["latency_ms"]
+    ratio = during["p99"] / reference["p99"] if during and reference else None
+    return {
+        "bulk": {"texts": texts, "status": run["task_status"], "embedded": run["embedded"], "seconds": bulk_s},
+        "bulk_texts_per_s": texts / bulk_s,
+        "phases": phases,
+        "target": {
+            "p99_during_vs_unloaded": ratio,
+            "target": f"<= {P99_WITHIN}",
+            "met": ratio is not None and ratio <= P99_WITHIN and run["embedded"] == texts,
+        },
+    }
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from bench.serving import number_text, verdict_text
+
+    table = Table(title=f"interactive /embed at concurrency {results['settings']['concurrency']} beside a bulk task")
+    for column in ("phase", "requests", "failed", "p50 ms", "p99 ms", "max ms"):
+        table.add_column(column, justify="right")
+    for name, phase in results["phases"].items():
+        latency = phase["latency_ms"] or {}
+        table.add_row(
+            name,
+            str(phase["requests"]),
+            str(phase["failed"]),
+            number_text(latency.get("p50"), ".2f"),
+            number_text(latency.get("p99"), ".2f"),
+            number_text(latency.get("max"), ".2f"),
+        )
+    console = Console(width=160)
+    console.print(table)
+    bulk = results["bulk"]
+    console.print(
+        f"bulk task: {bulk['texts']} texts, {bulk['status']}, {bulk['embedded']} embeddings in {bulk['seconds']:.1f} s"
+        f" ({results['bulk_texts_per_s']:.0f} texts/s)"
+    )
+    console.print(f"p99 during the task vs unloaded: {verdict_text(results['target'])}")
+
+
+def write_plot(run: dict, results: dict[str, Any], path: Path) -> None:
+    """Each interactive request's latency against time, the bulk task's span shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    marks, outcomes = run["marks"], run["outcomes"].outcomes
+    start = marks["start"]
+    figure, axes = plt.subplots(figsize=(8, 4))
+    axes.scatter([o.finished - start for o in outcomes], [1000 * o.latency for o in outcomes], s=2, alpha=0.4)
+    bulk_span = (marks["bulk_submitted"] - start, marks["bulk_done"] - start)
+    axes.axvspan(*bulk_span, color="orange", alpha=0.15, label="bulk task")
+    reference = results["phases"]["unloaded_before"]["latency_ms"]["p99"]
+    axes.axhline(P99_WITHIN * reference, color="red", linestyle="--", label=f"{P99_WITHIN} × unloaded p99")
+    axes.set_yscale("log")
+    axes.set_xlabel("seconds")
+    axes.set_ylabel("interactive /embed latency (ms)")
+    axes.set_title(f"a bulk task of {results['bulk']['texts']} texts beside interactive traffic")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from bench.serving import SAMPLE_TEXTS, machine, prepare_store, sample_payloads
+
+    manifest_path = prepare_store(args)
+    import uvloop
+
+    from bench.processes import OPTISERVE, on_free_port
+    from loadtest.generator import post_requests
+    from pipeline.samples import corpus_sentences, sample_texts
+
+    interactive_texts = sample_texts(SAMPLE_TEXTS)
+    held_back = set(interactive_texts)
+    corpus = [t for t in corpus_sentences() if t not in held_back]
+    bulk_texts = [corpus[i % len(corpus)] for i in range(args.texts)]
+    payloads, path = sample_payloads("text", {}, interactive_texts)
+    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
+    log = args.out / f"logs-{stamp}" / "optiserve-bulk.log"
+    with on_free_port(OPTISERVE, env=env, cwd=REPO, log=log) as url:
+        print(f"interactive {path} at concurrency {args.concurrency}, then a bulk task of {args.texts} texts …")
+        run = uvloop.run(interactive_beside_bulk(url, post_requests(url + path, payloads), bulk_texts, args))
+    results: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"manifest": str(manifest_path)}}
+    results["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+    results |= summarize(run, args.texts)
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    print_summary(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"bulk-{stamp}.json"
+    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_plot(run, results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
