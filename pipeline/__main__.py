@@ -16,7 +16,7 @@ from pipeline.export_check import ExportCheckError
 from pipeline.profile import Batching
 from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
 from pipeline.report import write_report
-from serving.manifest import DEFAULT_MANIFEST, ServingManifest, write_manifest
+from serving.manifest import DEFAULT_MANIFEST, ManifestError, update_manifest
 
 console = Console(stderr=True, width=160)
 
@@ -87,9 +87,14 @@ def main(argv: list[str] | None = None) -> int:
                 str(report),
                 f"{time.monotonic() - started:.1f}",
             )
-    write_manifest(ServingManifest(**routes), args.manifest)
     console.print(table)
-    console.print(f"serving manifest: {args.manifest}")
+    try:
+        manifest = update_manifest(routes, args.manifest)
+    except ManifestError as exc:
+        console.print(f"[red]serving manifest not updated[/red] {exc}")
+        return 1
+    served = ", ".join(f"{endpoint} → {route.tag}" for endpoint, route in manifest if route) or "no endpoint"
+    console.print(f"serving manifest: {args.manifest} ({served})")
     return 0
 
 

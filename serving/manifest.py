@@ -7,6 +7,7 @@ the model reference and the batching settings in its decorators.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -42,15 +43,18 @@ def manifest_path() -> Path:
     return Path(os.environ.get(MANIFEST_ENV, DEFAULT_MANIFEST))
 
 
-def load_manifest(path: Path | None = None) -> ServingManifest:
-    """Read the manifest and apply per-endpoint tag overrides from the environment."""
-    path = path or manifest_path()
+def read_manifest(path: Path) -> ServingManifest:
     if not path.is_file():
         raise ManifestError(f"no serving manifest at {path}: run `make optimize` (or set {MANIFEST_ENV})")
     try:
-        manifest = ServingManifest.model_validate_json(path.read_text())
+        return ServingManifest.model_validate_json(path.read_text())
     except ValidationError as exc:
         raise ManifestError(f"{path} is not a valid serving manifest:\n{exc}") from exc
+
+
+def load_manifest(path: Path | None = None) -> ServingManifest:
+    """Read the manifest and apply per-endpoint tag overrides from the environment."""
+    manifest = read_manifest(path or manifest_path())
     for endpoint, env in TAG_OVERRIDE_ENV.items():
         route = getattr(manifest, endpoint)
         if os.environ.get(env) and route is not None:
@@ -78,4 +82,16 @@ def override_tag(route: Route, tag: str) -> Route:
 
 
 def write_manifest(manifest: ServingManifest, path: Path) -> None:
-    path.write_text(manifest.model_dump_json(indent=2) + "\n")
+    """Replace the file in one step: a service starting meanwhile reads the old one or the new."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as temporary:
+        temporary.write(manifest.model_dump_json(indent=2) + "\n")
+    os.replace(temporary.name, path)
+
+
+def update_manifest(routes: dict[str, Route], path: Path) -> ServingManifest:
+    """Set the routes one pipeline run built and keep every other: building one recipe never drops
+    another recipe's endpoint. A manifest that is there but invalid stops the update, named."""
+    current = read_manifest(path) if path.exists() else ServingManifest()
+    updated = current.model_copy(update=routes)
+    write_manifest(updated, path)
+    return updated

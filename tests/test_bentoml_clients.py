@@ -68,6 +68,13 @@ def test_the_schema_lists_every_endpoint_for_bentoml_clients(server) -> None:
     assert inputs["image"]["type"] == "file" and inputs["top_k"]["default"] == 5
 
 
+def test_the_playground_is_served_at_the_root(server) -> None:
+    with server.client() as client:
+        page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "BentoML" in page.text
+
+
 def test_the_sync_client_gets_the_answers_raw_http_gets(server, photo_files) -> None:
     paths = list(photo_files.values())
     texts = sample_texts(8)

@@ -1,0 +1,53 @@
+"""The serving manifest: a pipeline run sets the routes it built and keeps every other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serving.manifest import ManifestError, Route, ServingManifest, read_manifest, update_manifest, write_manifest
+
+
+def route(tag: str, recipe: str) -> Route:
+    return Route(tag=tag, recipe=recipe, max_batch_size=8, max_latency_ms=500, max_items_per_request=64)
+
+
+IMAGE = route("image-classifier:aaa", "image-classifier")
+TEXT = route("text-embedder:bbb", "text-embedder")
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Path:
+    path = tmp_path / "serving-manifest.json"
+    write_manifest(ServingManifest(classify=IMAGE, embed=TEXT), path)
+    return path
+
+
+def test_building_a_recipe_without_an_endpoint_keeps_both_routes(served: Path) -> None:
+    update_manifest({}, served)
+    assert read_manifest(served) == ServingManifest(classify=IMAGE, embed=TEXT)
+
+
+def test_building_one_served_recipe_replaces_its_route_only(served: Path) -> None:
+    newer = route("text-embedder:ccc", "text-embedder")
+    update_manifest({"embed": newer}, served)
+    assert read_manifest(served) == ServingManifest(classify=IMAGE, embed=newer)
+
+
+def test_the_first_run_creates_the_manifest(tmp_path: Path) -> None:
+    path = tmp_path / "serving-manifest.json"
+    update_manifest({"classify": IMAGE}, path)
+    assert read_manifest(path) == ServingManifest(classify=IMAGE)
+
+
+def test_an_invalid_manifest_is_named_and_left_alone(served: Path) -> None:
+    served.write_text('{"classify": "not a route"}')
+    with pytest.raises(ManifestError, match=r"serving-manifest\.json is not a valid serving manifest"):
+        update_manifest({"embed": TEXT}, served)
+    assert served.read_text() == '{"classify": "not a route"}'
+
+
+def test_writing_leaves_no_temporary_file_behind(served: Path) -> None:
+    update_manifest({"embed": TEXT}, served)
+    assert [p.name for p in served.parent.iterdir()] == ["serving-manifest.json"]
