@@ -20,7 +20,9 @@ from typing import Any, Protocol, TypeVar
 import bentoml
 from bentoml.exceptions import BentoMLException
 from pydantic import BaseModel, ValidationError
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -46,6 +48,7 @@ MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
 MAX_EMBED_BODY_BYTES = 4 * 1024 * 1024
 MAX_BULK_BODY_BYTES = 64 * 1024 * 1024
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+MAX_FORM_FIELDS = 64
 DEADLINE_HEADER = "X-Deadline-Ms"
 MAX_DEADLINE_MS = 600_000
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
@@ -139,12 +142,28 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_uploads(request: Request, field: str) -> tuple[list[ImageUpload], dict[str, str]]:
-    """Image files from a multipart form (field `field`) or a raw image body, plus plain form fields."""
+async def read_form(request: Request, *, max_files: int, hint: str = "") -> FormData:
+    """The form, parsed by Starlette, whose malformed-body errors get our statuses."""
+    try:
+        return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
+    except (HTTPException, MultiPartException) as exc:
+        message = exc.detail if isinstance(exc, HTTPException) else exc.message
+        if message.startswith("Too many files"):
+            raise InputTooLarge(f"the request has more files than its limit of {max_files}{hint}") from None
+        if message.startswith("Too many fields"):
+            raise InputTooLarge(f"more than {MAX_FORM_FIELDS} form fields in one request") from None
+        raise InvalidInput(f"malformed form body: {message}") from None
+
+
+async def read_uploads(
+    request: Request, field: str, *, max_files: int, hint: str = ""
+) -> tuple[list[ImageUpload], dict[str, str]]:
+    """Image files from a multipart form (field `field`) or a raw image body, plus plain form fields.
+    A form is parsed no further than `max_files` files; `hint` ends the error when it has more."""
     check_declared_length(request, MAX_IMAGE_BODY_BYTES)
     media = media_type(request)
     if media in FORM_TYPES:  # a form with no file in it is url-encoded (BentoML's client sends a URL so)
-        form = await request.form(max_files=1024, max_fields=64)
+        form = await read_form(request, max_files=max_files, hint=hint)
         uploads = []
         for index, value in enumerate(form.getlist(field)):
             name = f"{field}[{index}]"
@@ -199,9 +218,7 @@ def embedder(front: Front) -> TextEmbedder:
 async def classify(front: Front, request: Request) -> ClassifyResponse:
     images = classifier(front)
     with images.admit(1, timeout_ms=client_deadline_ms(request)) as admission:  # before the upload is read
-        uploads, form = await read_uploads(request, "image")
-        if len(uploads) != 1:
-            raise InvalidInput(f"/classify takes one image, got {len(uploads)}; use /classify_batch")
+        uploads, form = await read_uploads(request, "image", max_files=1, hint=": send several to /classify_batch")
         (predictions,) = await images.classify(uploads, resolve_top_k(request, form), admission)
     return ClassifyResponse(model=front.classifier_tag, predictions=predictions)
 
@@ -209,7 +226,7 @@ async def classify(front: Front, request: Request) -> ClassifyResponse:
 async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse:
     images = classifier(front)
     deadline_ms = client_deadline_ms(request)
-    uploads, form = await read_uploads(request, "images")
+    uploads, form = await read_uploads(request, "images", max_files=images.max_items_per_request)
     top_k = resolve_top_k(request, form)
     with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:
         results = await images.classify(uploads, top_k, admission)

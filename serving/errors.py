@@ -90,5 +90,5 @@ class DeadlineExpired(Refused):
     """Admitted, but the queue ran slower than estimated: refused before the engine ran it."""
 
     status = HTTPStatus.SERVICE_UNAVAILABLE
-    kind = "overloaded"
+    kind = "expired"
     reason = "expired"

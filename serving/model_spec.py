@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 Task = Literal["image-classification", "text-embedding"]
 
@@ -40,3 +40,10 @@ class ModelSpec(BaseModel):
     text: TextInput | None = None
     input_names: list[str]
     output_names: list[str]
+
+    @model_validator(mode="after")
+    def _has_its_task_input(self) -> ModelSpec:
+        needed = "image" if self.task == "image-classification" else "text"
+        if getattr(self, needed) is None:
+            raise ValueError(f"a {self.task} model's spec needs its {needed!r} input")
+        return self

@@ -39,6 +39,21 @@ def test_real_photos_decode_to_rgb_at_model_size(name: str) -> None:
     assert pixels.shape == (224, 224, 3) and pixels.dtype == np.uint8
 
 
+def test_the_crop_is_the_centre_of_a_wide_image() -> None:
+    pixels = np.zeros((100, 3000, 3), np.uint8)
+    pixels[:, 1450:1550] = 255  # the central 100 columns: what a 256/224 crop of the 100-px side keeps
+    cropped = resize_center_crop(Image.fromarray(pixels), resize=256, crop=224)
+    assert cropped.shape == (224, 224, 3) and cropped[:, 20:-20].min() == 255
+
+
+@pytest.mark.parametrize("size", [(40_000, 1), (1, 30_000)])
+def test_an_extreme_aspect_ratio_is_cropped_without_resizing_the_whole(size: tuple[int, int]) -> None:
+    """Resizing the whole first would make a 256 × 10-million-pixel intermediate."""
+    image = Image.new("RGB", size, (10, 200, 30))
+    cropped = resize_center_crop(decode_image(encode(np.asarray(image), "PNG")), resize=256, crop=224)
+    assert cropped.shape == (224, 224, 3) and (cropped == (10, 200, 30)).all()
+
+
 @pytest.mark.parametrize("image_format", ["PNG", "WEBP", "BMP", "JPEG"])
 def test_accepted_formats(image_format: str) -> None:
     array = np.random.default_rng(0).integers(0, 255, (40, 60, 3), dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""The serving manifest: a pipeline run sets the routes it built and keeps every other."""
+"""The serving manifest and stored model specs: what the service reads before it serves."""
 
 from __future__ import annotations
 
@@ -51,3 +51,12 @@ def test_an_invalid_manifest_is_named_and_left_alone(served: Path) -> None:
 def test_writing_leaves_no_temporary_file_behind(served: Path) -> None:
     update_manifest({"embed": TEXT}, served)
     assert [p.name for p in served.parent.iterdir()] == ["serving-manifest.json"]
+
+
+def test_a_stored_spec_without_its_tasks_input_is_refused_when_read() -> None:
+    from pydantic import ValidationError
+
+    from serving.model_runtime import read_spec
+
+    with pytest.raises(ValidationError, match="a text-embedding model's spec needs its 'text' input"):
+        read_spec({"optiserve": {"task": "text-embedding", "input_names": ["input_ids"], "output_names": ["e"]}})

@@ -180,6 +180,16 @@ BAD_IMAGE_REQUESTS = {
         422,
     ),
     "gif": ({"content": encode(np.zeros((8, 8, 3), np.uint8), "GIF"), "headers": {"content-type": "image/gif"}}, 415),
+    "multipart without a boundary": (
+        {"content": b"--x\r\n\r\n", "headers": {"content-type": "multipart/form-data"}},
+        422,
+    ),
+    "two images": ({"files": [("image", ("a.jpg", sample_photos()["chelsea"]))] * 2}, 413),
+    "too many form fields": (
+        {"files": {"image": ("x.jpg", sample_photos()["chelsea"])}, "data": {f"f{i}": "x" for i in range(100)}},
+        413,
+    ),
+    "a URL in a url-encoded form": ({"data": {"image": "http://127.0.0.1:9/cat.jpg"}}, 422),
 }
 
 
@@ -197,7 +207,7 @@ def test_too_many_images_in_one_request(server) -> None:
     with server.client() as client:
         response = client.post("/classify_batch", files=files)
     assert response.status_code == 413
-    assert "limit is 64" in response.json()["error"]
+    assert "limit of 64" in response.json()["error"]
 
 
 BAD_TEXT_REQUESTS = {
@@ -209,6 +219,16 @@ BAD_TEXT_REQUESTS = {
     "not a list": ({"json": {"texts": "hello"}}, 422, "texts"),
     "unknown field": ({"json": {"texts": ["a"], "normalize": False}}, 422, "normalize"),
     "invalid json": ({"content": b"{bad", "headers": {"content-type": "application/json"}}, 422, "not valid JSON"),
+    "invalid UTF-8": (
+        {"content": b'{"texts": ["\xff\xfe"]}', "headers": {"content-type": "application/json"}},
+        422,
+        "not valid JSON",
+    ),
+    "a chunked body over the limit": (
+        {"content": iter([b" " * 65536] * 80), "headers": {"content-type": "application/json"}},
+        413,
+        "exceeds the limit of 4194304 bytes",
+    ),
 }
 
 
@@ -296,7 +316,8 @@ def test_a_flood_gets_answers_or_fast_refusals_with_retry_after_and_the_service_
     refused = [r for r in responses if r.status_code != 200]
     assert 200 in statuses and refused, (deadline, statuses)
     assert all(r.status_code in (429, 503) and r.headers["retry-after"].isdigit() for r in refused), statuses
-    assert all(r.json()["type"] == ("queue_full" if r.status_code == 429 else "overloaded") for r in refused)
+    kinds = {429: {"queue_full"}, 503: {"overloaded", "expired"}}
+    assert all(r.json()["type"] in kinds[r.status_code] for r in refused)
     with server.client() as client:
         assert client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG).status_code == 200
 
