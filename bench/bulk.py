@@ -35,6 +35,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--manifest", type=Path, help="serve this manifest's models (default: build both recipes)")
     parser.add_argument("--texts", type=int, default=5000, help="texts in the bulk task")
     parser.add_argument("--concurrency", type=int, default=1, help="interactive clients")
+    parser.add_argument("--encoding", choices=("float", "base64"), default="float", help="the bulk answer's format")
     parser.add_argument("--unloaded-s", type=float, default=15.0)
     parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
     return parser.parse_args(argv)
@@ -57,7 +58,9 @@ async def interactive_beside_bulk(
     await asyncio.sleep(args.unloaded_s)
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         marks["bulk_submitted"] = time.perf_counter()
-        submitted = await client.post("/embed_bulk/submit", json={"texts": bulk_texts})
+        submitted = await client.post(
+            "/embed_bulk/submit", json={"texts": bulk_texts, "truncate": True, "encoding_format": args.encoding}
+        )
         submitted.raise_for_status()
         task_id = submitted.json()["task_id"]
         while (status := (await client.get("/embed_bulk/status", params={"task_id": task_id})).json()["status"]) in (

@@ -10,7 +10,7 @@ import io
 import warnings
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from serving.errors import EmptyInput, InputTooLarge, UndecodableInput, UnsupportedMediaType
 
@@ -43,6 +43,7 @@ def decode_image(
                     f"{name}: {width}x{height} = {width * height} pixels exceeds the limit of {max_pixels} pixels"
                 )
             image.load()
+            ImageOps.exif_transpose(image, in_place=True)  # a phone photo stored sideways is seen as shown
     except UnidentifiedImageError as exc:
         raise UndecodableInput(
             f"{name}: not a decodable image (supported formats: {', '.join(ALLOWED_FORMATS)})"

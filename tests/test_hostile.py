@@ -1,0 +1,181 @@
+"""Hostile and odd inputs against the real service: each gets a clear 4xx JSON (or a correct 200),
+never a 5xx; no error body leaks a path, a class name or a traceback; the next normal request
+is served."""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.samples import encode, sample_photos
+
+pytestmark = pytest.mark.slow
+
+JSON_TYPE, PNG = "application/json", "image/png"
+JSON = {"content-type": JSON_TYPE}
+JPEG = {"content-type": "image/jpeg"}
+LEAKS = re.compile(r"Traceback|<class |object at 0x|\.py\b|/usr/|/work/|/home/|site-packages|Error\(")
+
+
+def image_bytes(image: Image.Image, image_format: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=image_format, **options)
+    return buffer.getvalue()
+
+
+def photo() -> Image.Image:
+    return Image.open(io.BytesIO(sample_photos()["chelsea"])).convert("RGB")
+
+
+def jpeg_declaring(width: int, height: int) -> bytes:
+    """A small JPEG whose frame header claims `width`×`height`."""
+    data = bytearray(image_bytes(Image.new("RGB", (8, 8)), "JPEG"))
+    frame = data.index(b"\xff\xc0")
+    data[frame + 5 : frame + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+def bmp_declaring(width: int, height: int) -> bytes:
+    data = bytearray(image_bytes(Image.new("RGB", (8, 8)), "BMP"))
+    data[18:26] = struct.pack("<ii", width, height)
+    return bytes(data)
+
+
+def webp_declaring(width: int, height: int) -> bytes:
+    """A small lossless WebP whose VP8L header claims `width`×`height` (at most 16384 each)."""
+    data = bytearray(image_bytes(Image.new("RGB", (8, 8)), "WEBP", lossless=True))
+    header = data.index(b"VP8L") + 9
+    bits = int.from_bytes(data[header : header + 4], "little")
+    bits = (bits & ~((1 << 28) - 1)) | (width - 1) | ((height - 1) << 14)
+    data[header : header + 4] = bits.to_bytes(4, "little")
+    return bytes(data)
+
+
+def exif_rotated_jpeg() -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90° clockwise to display
+    return image_bytes(photo(), "JPEG", exif=exif.tobytes())
+
+
+def animated_webp() -> bytes:
+    frames = [photo(), photo().rotate(90)]
+    return image_bytes(frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=100)
+
+
+def palette_with_alpha_png() -> bytes:
+    image = photo().convert("P", palette=Image.Palette.ADAPTIVE)
+    image.info["transparency"] = 0
+    return image_bytes(image, "PNG", transparency=0)
+
+
+def sixteen_bit_png() -> bytes:
+    return image_bytes(Image.fromarray((np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)), "PNG")
+
+
+def raw(data: bytes, content_type: str = "image/jpeg") -> dict:
+    return {"content": data, "headers": {"content-type": content_type}}
+
+
+def form(*files: tuple, **fields: str) -> dict:
+    return {"files": list(files), "data": fields}
+
+
+CHELSEA = sample_photos()["chelsea"]
+
+# name: (path, request, expected status)
+HOSTILE = {
+    "PNG decompression bomb": (
+        "/classify",
+        raw(image_bytes(Image.new("L", (12_000, 12_000)), "PNG"), "image/png"),
+        413,
+    ),
+    "JPEG header claiming 60000x60000": ("/classify", raw(jpeg_declaring(60_000, 60_000)), 413),
+    "WebP header claiming 16384x16384": ("/classify", raw(webp_declaring(16_384, 16_384), "image/webp"), 413),
+    "BMP header claiming 30000x30000": ("/classify", raw(bmp_declaring(30_000, 30_000), "image/bmp"), 413),
+    "PNG 40000x1": ("/classify", raw(image_bytes(Image.new("RGB", (40_000, 1)), "PNG"), "image/png"), 200),
+    "PNG 1x30000": ("/classify", raw(image_bytes(Image.new("RGB", (1, 30_000)), "PNG"), "image/png"), 200),
+    "CMYK JPEG": ("/classify", raw(image_bytes(photo().convert("CMYK"), "JPEG")), 200),
+    "16-bit grey PNG": ("/classify", raw(sixteen_bit_png(), "image/png"), 200),
+    "palette PNG with alpha": ("/classify", raw(palette_with_alpha_png(), "image/png"), 200),
+    "EXIF-rotated JPEG": ("/classify", raw(exif_rotated_jpeg()), 200),
+    "animated WebP": ("/classify", raw(animated_webp(), "image/webp"), 200),
+    "truncated PNG": ("/classify", raw(image_bytes(photo(), "PNG")[:5000], "image/png"), 422),
+    "JPEG with a ZIP appended (polyglot)": ("/classify", raw(CHELSEA + b"PK\x03\x04" + b"\x00" * 64), 200),
+    "ZIP declared as JPEG": ("/classify", raw(b"PK\x03\x04" + b"\x00" * 256), 422),
+    "TIFF bytes as octet-stream": (
+        "/classify",
+        raw(image_bytes(photo(), "TIFF"), "application/octet-stream"),
+        422,
+    ),
+    "SVG": ("/classify", raw(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml"), 415),
+    "no content type": ("/classify", {"content": CHELSEA}, 415),
+    "JSON to /classify": ("/classify", {"json": {"image": "http://127.0.0.1:9/cat.jpg"}}, 415),
+    "path-like filename": ("/classify", form(("image", ("../../etc/passwd", CHELSEA))), 200),
+    "unicode filename": ("/classify", form(("image", ("猫" * 300 + ".jpg", CHELSEA))), 200),
+    "filename with a NUL and a quote": ("/classify", form(("image", ('x\x00y"z.jpg', CHELSEA))), 200),
+    "10 000-character filename": ("/classify", form(("image", ("a" * 10_000 + ".jpg", CHELSEA))), 422),
+    "a thousand file parts": ("/classify_batch", form(*[("images", ("x.jpg", b"x"))] * 1000), 413),
+    "empty multipart body": ("/classify_batch", raw(b"--b--\r\n", "multipart/form-data; boundary=b"), 422),
+    "file path in a form field": ("/classify_batch", form(("other", ("x", b"x")), images="/etc/passwd"), 422),
+    "top_k as a superscript digit": ("/classify", form(("image", ("c.jpg", CHELSEA)), top_k="²"), 422),
+    "top_k as Arabic-Indic digits": ("/classify?top_k=%D9%A3", raw(CHELSEA), 422),
+    "top_k 0": ("/classify?top_k=0", raw(CHELSEA), 422),
+    "top_k 1e3": ("/classify?top_k=1e3", raw(CHELSEA), 422),
+    "X-Deadline-Ms in superscript digits": (
+        "/classify",
+        {"content": CHELSEA, "headers": {"content-type": "image/jpeg", "X-Deadline-Ms": "²³".encode("latin-1")}},
+        422,
+    ),
+    "NUL bytes inside a text": ("/embed", {"json": {"texts": ["a\x00b", "\x00 cat"]}}, 200),
+    "invalid UTF-8 in JSON": ("/embed", raw(b'{"texts": ["\xc3\x28"]}', "application/json"), 422),
+    "JSON nested 100 000 deep": ("/embed", raw(b"[" * 100_000 + b"]" * 100_000, "application/json"), 422),
+    "JSON nested 10 000 deep": (
+        "/embed",
+        raw(b'{"texts": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", "application/json"),
+        422,
+    ),
+    "10 000 texts": ("/embed", {"json": {"texts": ["a cat"] * 10_000}}, 413),
+    "one 1 MB text": ("/embed", {"json": {"texts": ["word " * 200_000]}}, 413),
+    "a 5 MB body": ("/embed", {"json": {"texts": ["x" * 1000] * 5000}}, 413),
+    "numbers as texts": ("/embed", {"json": {"texts": [1, 2]}}, 422),
+    "unknown encoding": ("/embed", {"json": {"texts": ["a"], "encoding_format": "binary"}}, 422),
+    "texts as a JSON string": ("/embed", {"json": '{"texts": ["a"]}'}, 422),
+    "chunked body without a length": (
+        "/embed",
+        {"content": iter([b'{"texts": ', b'["a cat"]}']), "headers": JSON},
+        200,
+    ),
+    "form body to /embed": ("/embed", {"data": {"texts": "a cat"}}, 415),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_input_gets_a_clear_answer_and_the_service_keeps_serving(server, case: str) -> None:
+    path, request, status = HOSTILE[case]
+    with server.client() as client:
+        response = client.post(path, **request)
+        normal = client.post("/classify", content=CHELSEA, headers=JPEG)
+    assert response.status_code == status, response.text[:500]
+    body = response.json()
+    if status >= 400:
+        assert set(body) >= {"error", "type"} and body["error"], body
+        assert not LEAKS.search(response.text), response.text[:500]
+    assert normal.status_code == 200
+
+
+def test_an_exif_rotated_photo_is_classified_as_displayed(server) -> None:
+    """The orientation tag is applied: a phone photo stored sideways is seen upright."""
+    upright = photo()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored_sideways = image_bytes(upright.rotate(90, expand=True), "JPEG", exif=exif.tobytes(), quality=95)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        seen = client.post("/classify?top_k=1", content=stored_sideways, headers=JPEG)
+        original = client.post("/classify?top_k=1", content=encode(np.asarray(upright), "JPEG"), headers=JPEG)
+    assert seen.json()["predictions"][0]["label"] == original.json()["predictions"][0]["label"]
