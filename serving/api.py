@@ -11,8 +11,10 @@ answer a validation error with 400 in its own shape and anything else with 500.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Protocol, TypeVar
@@ -29,9 +31,17 @@ from starlette.responses import JSONResponse, Response
 
 from serving.classify import ImageClassifier, ImageUpload
 from serving.embed import TextEmbedder, encode_base64_f16
-from serving.errors import InputTooLarge, InvalidInput, ModelUnavailable, RequestError, UnsupportedMediaType
+from serving.errors import (
+    BodyTimeout,
+    InputTooLarge,
+    InvalidInput,
+    ModelUnavailable,
+    RequestError,
+    UnsupportedMediaType,
+)
 from serving.images import DEFAULT_MAX_BYTES
 from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
+from serving.settings import body_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +60,7 @@ MAX_EMBED_BODY_BYTES = 4 * 1024 * 1024
 MAX_BULK_BODY_BYTES = 64 * 1024 * 1024
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
+BODY_TIMEOUT_S = body_timeout_s()
 DEADLINE_HEADER = "X-Deadline-Ms"
 MAX_DEADLINE_MS = 600_000
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
@@ -131,22 +142,34 @@ def check_declared_length(request: Request, limit: int) -> None:
         raise InputTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
 
 
+@asynccontextmanager
+async def arriving_in_time() -> AsyncIterator[None]:
+    """Bounds the time a body takes to arrive (OPTISERVE_BODY_TIMEOUT_S)."""
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            yield
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, refused as soon as it passes `limit` bytes, declared or chunked."""
     check_declared_length(request, limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise InputTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    async with arriving_in_time():
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise InputTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
 async def read_form(request: Request, *, max_files: int, hint: str = "") -> FormData:
     """The form, parsed by Starlette, whose malformed-body errors get our statuses."""
     try:
-        return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
+        async with arriving_in_time():
+            return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
     except (HTTPException, MultiPartException) as exc:
         message = exc.detail if isinstance(exc, HTTPException) else exc.message
         if message.startswith("Too many files"):

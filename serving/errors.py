@@ -48,6 +48,11 @@ class InvalidInput(RequestError):
     kind = "invalid_input"
 
 
+class BodyTimeout(RequestError):
+    status = HTTPStatus.REQUEST_TIMEOUT
+    kind = "body_timeout"
+
+
 class ModelUnavailable(RequestError):
     """The endpoint exists but no model is configured for it in this deployment."""
 

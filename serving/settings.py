@@ -29,3 +29,9 @@ def max_queue_rows(max_batch_size: int) -> int:
     """Rows a model's queue may hold (admitted, not yet running) before it answers 429: bounds
     memory whatever the deadline. `OPTISERVE_MAX_QUEUE_ROWS` overrides; default 32 full batches."""
     return int(os.environ.get("OPTISERVE_MAX_QUEUE_ROWS", 32 * max_batch_size))
+
+
+def body_timeout_s() -> float:
+    """Seconds a request body may take to arrive before it is answered 408: a client that trickles
+    its upload holds a connection and, for /classify, a place in the queue. `OPTISERVE_BODY_TIMEOUT_S`."""
+    return float(os.environ.get("OPTISERVE_BODY_TIMEOUT_S", "30"))

@@ -28,6 +28,7 @@ from serving.manifest import ServingManifest, write_manifest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPES = ("image-classifier", "text-embedder")
+BODY_TIMEOUT_S = 3
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -114,8 +115,9 @@ def serving(manifest_file: Path, log: Path, **env: str) -> Iterator[RunningServe
 
 @pytest.fixture(scope="session")
 def server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
-    """The default deployment: models in the front process."""
-    with serving(manifest_file, tmp_path_factory.mktemp("server") / "bentoml.log") as running:
+    """The default deployment: models in the front process; a slow body times out after 3 s."""
+    log = tmp_path_factory.mktemp("server") / "bentoml.log"
+    with serving(manifest_file, log, OPTISERVE_BODY_TIMEOUT_S=str(BODY_TIMEOUT_S)) as running:
         yield running
 
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import io
 import re
+import socket
 import struct
+import time
 
 import httpx
 import numpy as np
 import pytest
+from conftest import BODY_TIMEOUT_S
 from PIL import Image
 
 from pipeline.samples import encode, sample_photos
@@ -179,3 +182,22 @@ def test_an_exif_rotated_photo_is_classified_as_displayed(server) -> None:
         seen = client.post("/classify?top_k=1", content=stored_sideways, headers=JPEG)
         original = client.post("/classify?top_k=1", content=encode(np.asarray(upright), "JPEG"), headers=JPEG)
     assert seen.json()["predictions"][0]["label"] == original.json()["predictions"][0]["label"]
+
+
+@pytest.mark.parametrize("path", ["/embed", "/classify"])
+def test_a_body_that_trickles_in_is_timed_out_with_a_408(server, path: str) -> None:
+    """The server fixture allows a body 3 s (OPTISERVE_BODY_TIMEOUT_S); this one never finishes."""
+    host, port = server.url.removeprefix("http://").split(":")
+    content_type = "application/json" if path == "/embed" else "image/jpeg"
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\nContent-Length: 1000\r\n\r\n"
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(head.encode() + b'{"texts": ')
+        answer = ""
+        while not answer.endswith("}"):
+            answer += connection.recv(65536).decode("latin-1")
+    assert answer.startswith("HTTP/1.1 408"), answer[:300]
+    assert '"type":"body_timeout"' in answer
+    assert BODY_TIMEOUT_S <= time.monotonic() - started < BODY_TIMEOUT_S + 10
+    with server.client() as client:
+        assert client.post("/classify", content=CHELSEA, headers=JPEG).status_code == 200
