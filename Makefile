@@ -9,7 +9,7 @@ SERVED_RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
 RECIPES ?= $(SERVED_RECIPES) $(filter-out $(SERVED_RECIPES),$(wildcard models/*.yaml))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk
+.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk fuzz
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,11 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# schemathesis against a real `bentoml serve` of the test suite's models: 200 examples per operation.
+FUZZ_EXAMPLES ?= 200
+fuzz: setup
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -s -m slow tests/test_fuzz.py
 
 # Sweep a running server (`make serve` in another shell); LOADTEST_ARGS adds options, e.g.
 # make loadtest LOADTEST_URL=http://127.0.0.1:3000/embed LOADTEST_ARGS="--slo-ms 300 --target-qps 200"

@@ -23,6 +23,7 @@ from serving.metrics import ModelMetrics
 from serving.model_calls import MODEL_CONNECTIONS, BatchedModel, RemoteModel, in_process_model
 from serving.model_runtime import load_runtime, read_spec
 from serving.model_spec import TOKENIZER_FILE
+from serving.openapi import AmendedOpenAPI
 from serving.process import freeze_startup_heap
 from serving.schemas import (
     ClassifyBatchRequest,
@@ -158,3 +159,6 @@ class Optiserve:
     async def embed_bulk(self, ctx: bentoml.Context, **unread: None) -> EmbedResponse | Response:
         """Embed a large job of texts at low priority, in the engine's spare time: submit, poll, get."""
         return await api.answer(ctx, api.embed_bulk, self)
+
+
+Optiserve.add_asgi_middleware(AmendedOpenAPI, service=Optiserve)

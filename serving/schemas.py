@@ -46,7 +46,7 @@ class ClassifyBatchRequest(RequestBody):
 
 class EmbedRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
-    texts: list[str] = Field(description="Texts to embed, in order")
+    texts: list[str] = Field(description="Texts to embed, in order", json_schema_extra={"minItems": 1})
     truncate: bool = Field(
         default=False, description="Cut texts longer than the model's limit instead of rejecting them"
     )

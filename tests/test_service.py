@@ -106,14 +106,19 @@ def test_batched_embeddings_equal_single_embeddings(server) -> None:
     np.testing.assert_allclose(together, alone, atol=1e-5)
 
 
-def test_openapi_lists_the_endpoints(server) -> None:
+def test_openapi_documents_the_endpoints_their_bodies_and_our_errors(server) -> None:
     with server.client() as client:
         spec = client.get("/docs.json").json()
     for path in ("/classify", "/classify_batch", "/embed", "/embed_bulk/submit"):
         assert "post" in spec["paths"][path]
-    form = spec["paths"]["/classify"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    classify = spec["paths"]["/classify"]["post"]
+    form = classify["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert form["properties"]["image"]["format"] == "binary" and form["required"] == ["image"]
-    assert "image/jpeg" in form["description"]  # the raw-body alternative, which the spec cannot list beside it
+    assert {"image/jpeg", "image/png", "image/webp", "image/bmp"} <= set(classify["requestBody"]["content"])
+    assert {"400", "408", "413", "415", "422", "429", "503"} <= set(classify["responses"])
+    assert classify["responses"]["422"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorBody"
+    }
     embed_body = spec["paths"]["/embed"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "texts" in embed_body["properties"]
 

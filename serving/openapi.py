@@ -1,0 +1,101 @@
+"""The OpenAPI document at /docs.json: BentoML's, made true to what the service answers.
+
+BentoML generates the document from the input and output specs, with one error list for every
+API (its own 400, 404 and 500 bodies). Our endpoints answer other statuses, in our own error
+schema; /classify also takes a raw image body; and BentoML's task routes answer task states
+(`completed`, `failed`) its own schema does not list; and BentoML keeps only the first member
+of a union. A client generator or a fuzzer that
+trusts the document should find it right, so the service serves it amended (`amend`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from serving.schemas import EmbedResponse, ErrorBody
+
+DOCUMENT_PATH = "/docs.json"
+ERROR_REF = {"$ref": "#/components/schemas/ErrorBody"}
+# The statuses each endpoint answers with our error body (README, "The HTTP API").
+ERROR_STATUSES = {
+    400: "Empty input",
+    408: "The body did not arrive in time",
+    413: "Too large: body, image, item count or text length",
+    415: "Unsupported content type or image format",
+    422: "Invalid or undecodable input",
+    429: "The model's queue is full (Retry-After)",
+    500: "A fault of ours (details only in the server log)",
+    503: "Overloaded: refused for its deadline (Retry-After), or no model configured",
+}
+ENDPOINTS = ("/classify", "/classify_batch", "/embed", "/embed_bulk")
+RAW_IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "application/octet-stream")
+TASK_STATES = ["in_progress", "completed", "failed", "canceled"]
+
+
+def error_responses() -> dict[str, Any]:
+    return {
+        str(status): {"description": text, "content": {"application/json": {"schema": ERROR_REF}}}
+        for status, text in ERROR_STATUSES.items()
+    }
+
+
+def bentoml_error(description: str) -> dict[str, Any]:
+    """The body BentoML's own task routes answer errors with."""
+    schema = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def amend(document: dict[str, Any]) -> dict[str, Any]:
+    paths, schemas = document["paths"], document["components"]["schemas"]
+    schemas["ErrorBody"] = ErrorBody.model_json_schema()
+    for path in ENDPOINTS:
+        operation = paths[path]["post"]
+        operation["responses"] = {"200": operation["responses"]["200"], **error_responses()}
+    # BentoML keeps only the first member of a union: embeddings are float lists or base64 strings.
+    embeddings = EmbedResponse.model_json_schema()["properties"]["embeddings"]
+    for path, method in (("/embed", "post"), ("/embed_bulk", "post"), ("/embed_bulk/get", "get")):
+        schema = paths[path][method]["responses"]["200"]["content"]["application/json"]["schema"]
+        schema["properties"]["embeddings"] = embeddings
+    raw = {"schema": {"type": "string", "format": "binary"}}
+    paths["/classify"]["post"]["requestBody"]["content"].update(dict.fromkeys(RAW_IMAGE_TYPES, raw))
+    status = schemas["TaskStatusResponse"]
+    status["properties"]["status"]["enum"] = TASK_STATES
+    status["required"] = ["task_id", "status"]  # submit and retry answer these two only
+    task_errors = {"400": bentoml_error("task_id missing, task not finished"), "404": bentoml_error("no such task")}
+    for path, method in (("/embed_bulk/submit", "post"), ("/embed_bulk/status", "get"), ("/embed_bulk/retry", "post")):
+        paths[path][method]["responses"] = {"200": paths[path][method]["responses"]["200"], **task_errors}
+    result = paths["/embed_bulk/get"]["get"]
+    result["responses"] = {"200": result["responses"]["200"], **error_responses(), **task_errors}
+    result["responses"]["400"] = {
+        "description": "task not finished, or the task's own 400",
+        "content": {
+            "application/json": {
+                "schema": {"anyOf": [ERROR_REF, task_errors["400"]["content"]["application/json"]["schema"]]}
+            }
+        },
+    }
+    cancel = paths["/embed_bulk/cancel"]["put"]
+    cancel["responses"] = {"400": bentoml_error("cancellation is not supported by the local server"), **task_errors}
+    return document
+
+
+class AmendedOpenAPI:
+    """ASGI middleware answering GET /docs.json with the amended document, computed once."""
+
+    def __init__(self, app: ASGIApp, *, service: Any) -> None:
+        self.app = app
+        self.service = service
+        self.body: bytes | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != DOCUMENT_PATH or scope["method"] != "GET":
+            return await self.app(scope, receive, send)
+        if self.body is None:
+            as_json = json.loads(json.dumps(self.service.openapi_spec.asdict()))  # statuses as strings, as served
+            self.body = json.dumps(amend(as_json)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(self.body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
