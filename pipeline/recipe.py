@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from serving.artifacts import file_digest
 from serving.model_spec import Task
 
 PACKAGE_PREFIX = "package:"
@@ -227,18 +228,6 @@ class LoadedRecipe(BaseModel):
             digest.update(file_digest(path).encode())
         digest.update(extra.encode())
         return digest.hexdigest()[:16]
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file, or of a directory's files in name order."""
-    digest = hashlib.sha256()
-    paths = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for p in paths:
-        digest.update(p.relative_to(path).as_posix().encode() if path.is_dir() else b"")
-        with p.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def _file_fields(recipe: Recipe) -> dict[str, str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import bentoml
 
-from pipeline.recipe import file_digest
+from serving.artifacts import SHA256_KEY, file_digest
 
 RECIPE_HASH = "recipe_hash"
 
@@ -25,13 +25,7 @@ def find_selected(name: str, recipe_hash: str) -> bentoml.Model | None:
 def register(name: str, files: dict[str, Path], *, labels: dict[str, str], metadata: dict) -> bentoml.Model:
     """Copy `files` (store name → source path) into a new model version; record their sha256."""
     sha256 = {stored: file_digest(source) for stored, source in files.items()}
-    with bentoml.models.create(name, labels=labels, metadata={**metadata, "sha256": sha256}) as model:
+    with bentoml.models.create(name, labels=labels, metadata={**metadata, SHA256_KEY: sha256}) as model:
         for stored, source in files.items():
             shutil.copyfile(source, Path(model.path) / stored)
     return bentoml.models.get(model.tag)
-
-
-def verify_files(model: bentoml.Model) -> list[str]:
-    """Stored files whose content no longer matches the sha256 recorded at registration."""
-    recorded: dict[str, str] = model.info.metadata.get("sha256", {})
-    return [name for name, digest in recorded.items() if file_digest(Path(model.path) / name) != digest]

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.artifacts import check_artifacts
 from serving.engine import EngineSettings, OnnxEngine
 from serving.model_spec import ONNX_FILE, SPEC_KEY, ModelSpec
 from serving.text import length_groups, pad_batch
@@ -84,7 +85,9 @@ def onnx_runtime(path: Path, spec: ModelSpec, settings: EngineSettings) -> Model
 
 
 def load_runtime(endpoint: str, stored: Any, *, max_batch_size: int, settings: EngineSettings) -> ModelRuntime:
-    """The session for a stored model (`bentoml.Model`), warmed up at the batch sizes it will see."""
+    """The session for a stored model (`bentoml.Model`), its files checked against their recorded
+    sha256 first, warmed up at the batch sizes it will see."""
+    check_artifacts(stored)
     runtime = RUNTIME_FOR_ENDPOINT[endpoint](Path(stored.path), read_spec(stored.info.metadata), settings)
     runtime.warm_up(max_batch_size)
     return runtime

@@ -25,7 +25,7 @@ DESCRIBE = """
 import json, sys
 from pathlib import Path
 import bentoml
-from pipeline.registry import verify_files
+from serving.artifacts import mismatched_files
 described = {}
 for tag in sys.argv[1:]:
     model = bentoml.models.get(tag)
@@ -33,7 +33,7 @@ for tag in sys.argv[1:]:
         "labels": model.info.labels,
         "metadata": model.info.metadata,
         "files": sorted(p.name for p in Path(model.path).iterdir() if p.name != "model.yaml"),
-        "mismatched": verify_files(model),
+        "mismatched": mismatched_files(model),
     }
 print(json.dumps({"store": [str(m.tag) for m in bentoml.models.list()], "models": described}, default=str))
 """

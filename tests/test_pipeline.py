@@ -16,9 +16,9 @@ from pipeline.export import serving_graph
 from pipeline.export_check import ExportCheckError, check_export, image_batches, text_batches
 from pipeline.profile import runtime_runner, sampler
 from pipeline.recipe import LoadedRecipe
-from pipeline.registry import verify_files
 from pipeline.report import write_report
 from pipeline.sources import load_source
+from serving.artifacts import mismatched_files
 from serving.engine import EngineSettings, OnnxEngine
 from serving.manifest import ServingManifest
 from serving.model_runtime import ImageModelRuntime, TextModelRuntime, onnx_runtime, read_spec
@@ -107,7 +107,7 @@ def test_registered_labels_and_metadata(built_models: dict[str, BuildResult]) ->
 
 def test_stored_files_match_their_recorded_sha256(built_models: dict[str, BuildResult]) -> None:
     for result in built_models.values():
-        assert verify_files(result.model) == []
+        assert mismatched_files(result.model) == []
 
 
 def test_rerun_of_an_unchanged_recipe_reuses_the_stored_model(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +18,7 @@ import psutil
 import pytest
 from PIL import Image
 
+from bench.processes import free_port
 from pipeline.samples import encode, sample_photos
 from serving.embed import decode_base64_f16
 
@@ -366,3 +370,41 @@ def test_service_import_pulls_no_training_stack(manifest_file) -> None:
         check=True,
     )
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_corrupted_model_file_stops_the_start_naming_the_model_and_file(
+    manifest_file, bentoml_home, tmp_path
+) -> None:
+    """A copy of the test store (hard links) whose image model.onnx has one byte flipped."""
+    home = tmp_path / "bentoml"
+    shutil.copytree(bentoml_home / "models", home / "models", copy_function=os.link)
+    tag = json.loads(manifest_file.read_text())["classify"]["tag"]
+    onnx = home / "models" / Path(tag.replace(":", "/")) / "model.onnx"
+    corrupted = bytearray(onnx.read_bytes())
+    corrupted[len(corrupted) // 2] ^= 0xFF
+    onnx.unlink()  # the link, not the test store's file
+    onnx.write_bytes(bytes(corrupted))
+    log = tmp_path / "bentoml.log"
+    port = free_port()
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--port", str(port), "--host", "127.0.0.1"],
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "OPTISERVE_MANIFEST": str(manifest_file), "BENTOML_HOME": str(home)},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "does not match the sha256" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        try:
+            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            ready = False
+    finally:
+        os.killpg(process.pid, 9)
+        process.wait()
+    assert not ready
+    assert f"model {tag}: model.onnx in" in log.read_text()
