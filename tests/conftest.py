@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,7 +106,8 @@ def serving(manifest_file: Path, log: Path, **env: str) -> Iterator[RunningServe
         wait_ready(process, running.url, log, timeout=240)
         yield running
     finally:
-        os.killpg(process.pid, 15)
+        with suppress(ProcessLookupError):  # a test may have stopped it already
+            os.killpg(process.pid, 15)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
