@@ -9,7 +9,7 @@ SERVED_RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
 RECIPES ?= $(SERVED_RECIPES) $(filter-out $(SERVED_RECIPES),$(wildcard models/*.yaml))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk fuzz
+.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk fuzz soak
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# Both endpoints at 70 % of their knee for 30 minutes: errors, worker RSS growth, p99 drift.
+soak: setup
+	$(PY) -m bench.soak $(BENCH_ARGS)
 
 # schemathesis against a real `bentoml serve` of the test suite's models: 200 examples per operation.
 FUZZ_EXAMPLES ?= 200

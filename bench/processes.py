@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -23,11 +24,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class Started(NamedTuple):
+    url: str
+    pid: int  # the command's own process: BentoML's supervisor, for `bentoml serve`
+
+
 @contextmanager
 def running(
     command: list[str], *, url: str, env: dict[str, str], cwd: Path, log: Path, timeout: float = 300
-) -> Iterator[str]:
-    """Yield `url` once GET <url>/readyz answers 200; the whole process group goes on exit."""
+) -> Iterator[Started]:
+    """Yield once GET <url>/readyz answers 200; the whole process group goes on exit."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as sink:
         process = subprocess.Popen(
@@ -35,7 +41,7 @@ def running(
         )
     try:
         wait_ready(process, url, log, timeout)
-        yield url
+        yield Started(url, process.pid)
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -49,8 +55,8 @@ def running(
 def on_free_port(command: list[str], *, env: dict[str, str], cwd: Path, log: Path) -> Iterator[str]:
     """`command --port N` on a free local port, as `running` does; yields its base URL."""
     port = free_port()
-    with running([*command, "--port", str(port)], url=f"http://127.0.0.1:{port}", env=env, cwd=cwd, log=log) as url:
-        yield url
+    with running([*command, "--port", str(port)], url=f"http://127.0.0.1:{port}", env=env, cwd=cwd, log=log) as started:
+        yield started.url
 
 
 def wait_ready(process: subprocess.Popen, url: str, log: Path, timeout: float) -> None:

@@ -7,19 +7,22 @@ from pathlib import Path
 
 import bentoml
 
-from serving.artifacts import SHA256_KEY, file_digest
+from serving.artifacts import SHA256_KEY, file_digest, mismatched_files
 
 RECIPE_HASH = "recipe_hash"
 
 
 def find_selected(name: str, recipe_hash: str) -> bentoml.Model | None:
-    """The newest served variant built from exactly this recipe content, if any."""
+    """The newest served variant built from exactly this recipe content whose files still match
+    their sha256, if any. One that does not (a registration killed while BentoML copied it into
+    the store, a file damaged since) is never reused: the recipe is built again."""
     try:
         stored = bentoml.models.list(name)
     except bentoml.exceptions.NotFound:
         return None
     matches = [m for m in stored if m.info.metadata.get(RECIPE_HASH) == recipe_hash and m.info.metadata.get("selected")]
-    return max(matches, key=lambda m: m.info.creation_time, default=None)
+    intact = [m for m in matches if not mismatched_files(m)]
+    return max(intact, key=lambda m: m.info.creation_time, default=None)
 
 
 def register(name: str, files: dict[str, Path], *, labels: dict[str, str], metadata: dict) -> bentoml.Model:

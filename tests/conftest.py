@@ -122,17 +122,22 @@ def server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
         yield running
 
 
+def own_home(folder: Path) -> str:
+    """A BENTOML_HOME of its own for a second server, sharing the test model store: `bentoml
+    serve` empties $BENTOML_HOME/prometheus_multiproc_dir at start, which would wipe the metrics
+    of the `server` fixture running beside it, and opens $BENTOML_HOME/task_result.db, which two
+    servers cannot share."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "models").symlink_to(_BENTOML_HOME / "models")
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def model_services_server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
-    """The same models, each in its own batched BentoML model service.
-
-    Its own BENTOML_HOME (sharing the model store): `bentoml serve` empties
-    $BENTOML_HOME/prometheus_multiproc_dir at start, which would wipe the metrics of the
-    `server` fixture running beside it."""
-    home = tmp_path_factory.mktemp("bentoml-home")
-    (home / "models").symlink_to(_BENTOML_HOME / "models")
+    """The same models, each in its own batched BentoML model service."""
+    home = own_home(tmp_path_factory.mktemp("bentoml-home"))
     log = tmp_path_factory.mktemp("server") / "bentoml.log"
-    with serving(manifest_file, log, OPTISERVE_MODEL_PLACEMENT="service", BENTOML_HOME=str(home)) as running:
+    with serving(manifest_file, log, OPTISERVE_MODEL_PLACEMENT="service", BENTOML_HOME=home) as running:
         yield running
 
 

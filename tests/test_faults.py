@@ -12,7 +12,7 @@ import time
 import httpx
 import psutil
 import pytest
-from conftest import serving
+from conftest import own_home, serving
 
 from pipeline.samples import sample_photos
 
@@ -39,7 +39,10 @@ def worker_pids(supervisor: int) -> set[int]:
 def test_a_killed_worker_is_replaced_and_the_service_answers_again(
     manifest_file, tmp_path, workers: int, within_s: float
 ) -> None:
-    with serving(manifest_file, tmp_path / "bentoml.log", OPTISERVE_FRONT_WORKERS=str(workers)) as server:
+    home = own_home(tmp_path / "bentoml")
+    with serving(
+        manifest_file, tmp_path / "bentoml.log", OPTISERVE_FRONT_WORKERS=str(workers), BENTOML_HOME=home
+    ) as server:
         pids = worker_pids(server.process.pid)
         assert len(pids) == workers
         with httpx.Client(base_url=server.url, timeout=10) as client:
@@ -78,7 +81,7 @@ def test_sigterm_drains_the_requests_already_accepted(manifest_file, tmp_path) -
             answers = await asyncio.gather(*requests, return_exceptions=True)
         return [a.status_code if isinstance(a, httpx.Response) else type(a).__name__ for a in answers]
 
-    with serving(manifest_file, tmp_path / "bentoml.log") as server:
+    with serving(manifest_file, tmp_path / "bentoml.log", BENTOML_HOME=own_home(tmp_path / "bentoml")) as server:
         statuses = asyncio.run(in_flight_then_terminate(server.url, server.process.pid))
         server.process.wait(timeout=30)
     assert statuses == [200] * 4

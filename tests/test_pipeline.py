@@ -118,6 +118,17 @@ def test_rerun_of_an_unchanged_recipe_reuses_the_stored_model(
     assert again.model.tag == built_models["image-classifier"].model.tag
 
 
+def test_a_stored_model_with_a_damaged_file_is_not_reused(default_recipes: dict[str, LoadedRecipe]) -> None:
+    """As a registration killed mid-copy leaves it: the rerun builds the recipe again."""
+    loaded = default_recipes["image-classifier"]
+    first = build(loaded, force=True)
+    class_names = Path(first.model.path) / CLASS_NAMES_FILE
+    class_names.write_bytes(class_names.read_bytes()[:10])
+    again = build(loaded)
+    assert not again.reused and again.model.tag != first.model.tag
+    assert mismatched_files(again.model) == []
+
+
 def test_stored_image_model_loads_and_matches_pytorch(
     built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe]
 ) -> None:
