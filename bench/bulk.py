@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 import time
 from dataclasses import asdict
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +164,7 @@ def write_plot(run: dict, results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from bench.serving import SAMPLE_TEXTS, machine, prepare_store, sample_payloads
+    from bench.serving import SAMPLE_TEXTS, prepare_store, run_record, sample_payloads, server_env, write_record
 
     manifest_path = prepare_store(args)
     import uvloop
@@ -181,19 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     bulk_texts = [corpus[i % len(corpus)] for i in range(args.texts)]
     payloads, path = sample_payloads("text", {}, interactive_texts)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
     log = args.out / f"logs-{stamp}" / "optiserve-bulk.log"
-    with on_free_port(OPTISERVE, env=env, cwd=REPO, log=log) as url:
+    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as url:
         print(f"interactive {path} at concurrency {args.concurrency}, then a bulk task of {args.texts} texts …")
         run = uvloop.run(interactive_beside_bulk(url, post_requests(url + path, payloads), bulk_texts, args))
-    results: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"manifest": str(manifest_path)}}
-    results["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
-    results |= summarize(run, args.texts)
-    results["machine"]["load_average_at_end"] = os.getloadavg()
+    results = run_record(args, manifest_path) | summarize(run, args.texts)
     print_summary(results)
-    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"bulk-{stamp}.json"
-    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_record(results, out)
     write_plot(run, results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return 0

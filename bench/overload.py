@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +250,7 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from bench.serving import SAMPLE_TEXTS, machine, prepare_store, sample_payloads
+    from bench.serving import SAMPLE_TEXTS, prepare_store, run_record, sample_payloads, server_env, write_record
 
     manifest_path = prepare_store(args)
     from bench.processes import OPTISERVE, on_free_port
@@ -262,22 +260,17 @@ def main(argv: list[str] | None = None) -> int:
 
     manifest = load_manifest(manifest_path)
     files, texts = sample_photo_files(), sample_texts(SAMPLE_TEXTS)
-    results: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"manifest": str(manifest_path)}}
-    results["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
-    results["models"] = {}
+    results = run_record(args, manifest_path) | {"models": {}}
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
     log = args.out / f"logs-{stamp}" / "optiserve-overload.log"
-    with on_free_port(OPTISERVE, env=env, cwd=REPO, log=log) as url:
+    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as url:
         for model in [m.strip() for m in args.models.split(",") if m.strip()]:
             route = manifest.classify if model == "image" else manifest.embed
             payloads, path = sample_payloads(model, files, texts)
             results["models"][model] = measure_endpoint(url + path, payloads, float(route.max_latency_ms), args)
-    results["machine"]["load_average_at_end"] = os.getloadavg()
     print_summary(results)
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"overload-{stamp}.json"
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_record(results, path)
     write_plot(results, args.out / f"overload-{stamp}.png")
     print(f"wrote {path} and {path.with_suffix('.png')}", file=sys.stderr)
     return 0

@@ -105,6 +105,27 @@ def machine() -> dict[str, Any]:
     }
 
 
+def run_record(args: argparse.Namespace, manifest: Path) -> dict[str, Any]:
+    """What every bench's JSON starts with: the machine, the settings, the time."""
+    return {
+        "machine": machine(),
+        "settings": vars(args) | {"manifest": str(manifest)},
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def server_env(manifest: Path) -> dict[str, str]:
+    """The environment a bench's `bentoml serve` runs with: the manifest's models, no hub."""
+    return {**os.environ, "OPTISERVE_MANIFEST": str(manifest), "HF_HUB_OFFLINE": "1"}
+
+
+def write_record(results: dict[str, Any], path: Path) -> None:
+    """The JSON of a run, with the load average at its end (the machine is shared)."""
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
 def prepare_store(args: argparse.Namespace) -> Path:
     """The manifest to serve; builds both recipes into a fresh BENTOML_HOME when none is given."""
     if args.manifest is not None:

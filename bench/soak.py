@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +197,7 @@ def write_plot(results: dict[str, Any], run: dict[str, Any], path: Path) -> None
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from bench.serving import SAMPLE_TEXTS, machine, prepare_store, sample_payloads
+    from bench.serving import SAMPLE_TEXTS, prepare_store, run_record, sample_payloads, server_env, write_record
 
     manifest_path = prepare_store(args)
     import uvloop
@@ -212,11 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     manifest = load_manifest(manifest_path)
     files, texts = sample_photo_files(), sample_texts(SAMPLE_TEXTS)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = args.out / f"logs-{stamp}" / "optiserve-soak.log"
-    with running([*OPTISERVE, "--port", str(port)], url=url, env=env, cwd=REPO, log=log) as server:
+    with running(
+        [*OPTISERVE, "--port", str(port)], url=url, env=server_env(manifest_path), cwd=REPO, log=log
+    ) as server:
         endpoints = {}
         for model, route in (("image", manifest.classify), ("text", manifest.embed)):
             payloads, path = sample_payloads(model, files, texts)
@@ -228,14 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             f"soaking {', '.join(f'{p} at {r:.1f}/s' for p, (_, _, r) in endpoints.items())} for {args.duration_s:g} s"
         )
         run = uvloop.run(soak(endpoints, server.pid, args))
-    results: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"manifest": str(manifest_path)}}
-    results["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
-    results |= summarize(run, endpoints, args.duration_s)
-    results["machine"]["load_average_at_end"] = os.getloadavg()
+    results = run_record(args, manifest_path) | summarize(run, endpoints, args.duration_s)
     print_summary(results)
-    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"soak-{stamp}.json"
-    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_record(results, out)
     write_plot(results, run, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return 0 if results["met"] else 1
