@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import uuid
 from pathlib import Path
 
 import bentoml
+from bentoml._internal.configuration.containers import BentoMLContainer
+from bentoml._internal.models.model import ModelStore
 
 from serving.artifacts import SHA256_KEY, file_digest, mismatched_files
 
 RECIPE_HASH = "recipe_hash"
+# Beside the store, on its filesystem (so a rename is atomic), outside the folders BentoML lists.
+STAGING = ".optiserve-staging"
 
 
 def find_selected(name: str, recipe_hash: str) -> bentoml.Model | None:
@@ -26,9 +32,46 @@ def find_selected(name: str, recipe_hash: str) -> bentoml.Model | None:
 
 
 def register(name: str, files: dict[str, Path], *, labels: dict[str, str], metadata: dict) -> bentoml.Model:
-    """Copy `files` (store name → source path) into a new model version; record their sha256."""
+    """Copy `files` (store name → source path) into a new model version; record their sha256.
+
+    BentoML copies a new version into its store file by file, so a run killed meanwhile would
+    leave a version without its `model.yaml` (and `bentoml models list` fails on it) or with half
+    its files. The version is written to a staging store beside the real one and renamed into
+    place whole: the store holds all of it or nothing."""
+    store = Path(BentoMLContainer.model_store_dir.get())
+    remove_abandoned_staging(store.parent / STAGING)
+    staging = store.parent / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}"
     sha256 = {stored: file_digest(source) for stored, source in files.items()}
-    with bentoml.models.create(name, labels=labels, metadata={**metadata, SHA256_KEY: sha256}) as model:
-        for stored, source in files.items():
-            shutil.copyfile(source, Path(model.path) / stored)
-    return bentoml.models.get(model.tag)
+    try:
+        with bentoml.models.create(
+            name, labels=labels, metadata={**metadata, SHA256_KEY: sha256}, _model_store=ModelStore(str(staging))
+        ) as model:
+            for stored, source in files.items():
+                shutil.copyfile(source, Path(model.path) / stored)
+        tag = model.tag
+        (store / tag.name).mkdir(parents=True, exist_ok=True)
+        os.rename(staging / tag.name / tag.version, store / tag.name / tag.version)
+        latest = store / tag.name / "latest"
+        (staging / "latest").write_text(tag.version)
+        os.replace(staging / "latest", latest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return bentoml.models.get(tag)
+
+
+def remove_abandoned_staging(folder: Path) -> None:
+    """Staging folders of registrations whose process is gone (killed before its rename)."""
+    for path in folder.glob("*-*"):
+        pid = int(path.name.split("-", 1)[0])
+        if not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
