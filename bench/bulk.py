@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     payloads, path = sample_payloads("text", {}, interactive_texts)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
     log = args.out / f"logs-{stamp}" / "optiserve-bulk.log"
-    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as url:
+    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
+        url = server.url
         print(f"interactive {path} at concurrency {args.concurrency}, then a bulk task of {args.texts} texts …")
         run = uvloop.run(interactive_beside_bulk(url, post_requests(url + path, payloads), bulk_texts, args))
     results = run_record(args, manifest_path) | summarize(run, args.texts)

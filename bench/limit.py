@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from serving.classify import ImageUpload, prepare_image
 from serving.engine import EngineSettings
-from serving.model_runtime import ImageModelRuntime, TextModelRuntime, read_spec
+from serving.model_runtime import ImageModelRuntime, TextModelRuntime, engine_of, read_spec
 from serving.model_spec import TOKENIZER_FILE
 from serving.text import TextTokenizer
 
@@ -92,11 +93,10 @@ def _measure(
     )
 
 
-def image_limit(
-    model_dir: Path, metadata: dict, photos: dict[str, bytes], *, seconds: float, slo_ms: float
-) -> LimitResult:
-    spec = read_spec(metadata)
-    runtime = ImageModelRuntime(model_dir, spec, EngineSettings.from_environment())
+def image_limit(stored: Any, photos: dict[str, bytes], *, seconds: float, slo_ms: float) -> LimitResult:
+    """`stored`: the served `bentoml.Model`, run on its own engine."""
+    spec = read_spec(stored.info.metadata)
+    runtime = ImageModelRuntime(Path(stored.path), spec, EngineSettings.from_environment(), engine=engine_of(stored))
     uploads = [ImageUpload(data, None, name) for name, data in photos.items()]
 
     def prepare(batch: list[ImageUpload]) -> np.ndarray:
@@ -105,10 +105,10 @@ def image_limit(
     return _measure(prepare, runtime.predict, uploads, seconds=seconds, slo_ms=slo_ms)
 
 
-def text_limit(model_dir: Path, metadata: dict, texts: list[str], *, seconds: float, slo_ms: float) -> LimitResult:
-    spec = read_spec(metadata)
-    runtime = TextModelRuntime(model_dir, spec, EngineSettings.from_environment())
-    tokenizer = TextTokenizer(model_dir / TOKENIZER_FILE, max_length=spec.text.max_length)
+def text_limit(stored: Any, texts: list[str], *, seconds: float, slo_ms: float) -> LimitResult:
+    spec = read_spec(stored.info.metadata)
+    runtime = TextModelRuntime(Path(stored.path), spec, EngineSettings.from_environment(), engine=engine_of(stored))
+    tokenizer = TextTokenizer(Path(stored.path) / TOKENIZER_FILE, max_length=spec.text.max_length)
 
     def prepare(batch: list[str]) -> list[list[int]]:
         return tokenizer.encode(batch, truncate=True)

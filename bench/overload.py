@@ -10,6 +10,9 @@ against one `bentoml serve` of the manifest's models:
 4. recovery: from the moment the flood stops, concurrency 1 again; p99 per half second, and the
    time from which it stays within 1.5 × the unloaded p99.
 
+The workers' resident memory is sampled every second from before the flood to the end of the
+recovery: a flood must not leave memory behind (queues, buffers, connections).
+
 The SLO is the route's `max_latency_ms`, the deadline the service admits requests against.
 A table, JSON and a timeline plot per endpoint go to reports/bench/.
 """
@@ -28,6 +31,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BUCKET_S = 0.5
 RECOVERED_WITHIN = 1.5  # × the unloaded p99
+RSS_SAMPLE_S = 1.0
+REFUSALS = ("429", "503")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,10 +63,11 @@ class FloodResult:
     refused_p99_ms: float | None  # 429 and 503 answers
     recovery_p99_ms: list[float | None]  # per BUCKET_S from the flood's end
     recovered_after_s: float | None  # start of the first bucket from which p99 stays within bound
+    rss_mib: list[tuple[float, float]]  # (seconds from the flood's start, workers' MiB), from before it
 
 
 async def flood_then_recover(
-    url: str, requests: list, *, concurrency: int, bound_ms: float, args: argparse.Namespace
+    url: str, requests: list, *, concurrency: int, bound_ms: float, supervisor: int, args: argparse.Namespace
 ) -> FloodResult:
     """The flood, then a lone client from the instant the flood's clients stop sending."""
     from loadtest.client import Pool
@@ -69,12 +75,21 @@ async def flood_then_recover(
     from loadtest.stats import Recorder
 
     flood, probe = Recorder(), Recorder()
-    stop_flood, stop_probe = asyncio.Event(), asyncio.Event()
+    stop_flood, stop_probe, stop_sampling = asyncio.Event(), asyncio.Event(), asyncio.Event()
     flood_pool, probe_pool = Pool(url, timeout=30), Pool(url, timeout=30)
+    started = time.perf_counter()
+    rss: list[tuple[float, float]] = []
+
+    async def sample_rss() -> None:
+        while not stop_sampling.is_set():
+            await sample_rss_once(rss, started, supervisor)
+            await asyncio.sleep(RSS_SAMPLE_S)
+
+    await sample_rss_once(rss, started, supervisor)  # before the first request
+    sampling = asyncio.create_task(sample_rss())
     flooding = asyncio.create_task(
         closed_loop(flood_pool, requests, concurrency=concurrency, stop=stop_flood, recorder=flood)
     )
-    started = time.perf_counter()
     await asyncio.sleep(args.flood_s)
     stop_flood.set()
     stopped = time.perf_counter()
@@ -82,13 +97,29 @@ async def flood_then_recover(
     await asyncio.sleep(args.recovery_s)
     stop_probe.set()
     await asyncio.gather(flooding, probing)
+    stop_sampling.set()
+    await sampling
+    await sample_rss_once(rss, started, supervisor)
     flood_pool.close()
     probe_pool.close()
-    return summarize_flood(flood.between(started, stopped), probe.outcomes, started, stopped, concurrency, bound_ms)
+    flooded = flood.between(started, stopped)
+    return summarize_flood(flooded, probe.outcomes, started, stopped, concurrency, bound_ms, rss)
+
+
+async def sample_rss_once(rss: list[tuple[float, float]], started: float, supervisor: int) -> None:
+    from bench.processes import worker_rss_mib
+
+    rss.append((time.perf_counter() - started, await asyncio.to_thread(worker_rss_mib, supervisor)))
 
 
 def summarize_flood(
-    flooded: list, probed: list, started: float, stopped: float, concurrency: int, bound_ms: float
+    flooded: list,
+    probed: list,
+    started: float,
+    stopped: float,
+    concurrency: int,
+    bound_ms: float,
+    rss: list[tuple[float, float]],
 ) -> FloodResult:
     """Flood figures from the requests that finished while it lasted; recovery per half second."""
     from collections import Counter
@@ -96,7 +127,7 @@ def summarize_flood(
     from loadtest.stats import latency_ms
 
     accepted = latency_ms([o.latency for o in flooded if o.ok])
-    refused = latency_ms([o.latency for o in flooded if o.status in ("429", "503")])
+    refused = latency_ms([o.latency for o in flooded if o.status in REFUSALS])
     last = max((o.finished - stopped for o in probed), default=0.0)
     buckets: list[list[float]] = [[] for _ in range(int(last / BUCKET_S) + 1)]
     for outcome in probed:
@@ -111,6 +142,7 @@ def summarize_flood(
         refused_p99_ms=refused.p99 if refused else None,
         recovery_p99_ms=[latency_ms(b).p99 if b else None for b in buckets],
         recovered_after_s=recovered_after(buckets, bound_ms),
+        rss_mib=rss,
     )
 
 
@@ -146,6 +178,11 @@ def verdicts(knee_throughput: float, unloaded_p99_ms: float, slo_ms: float, floo
             "slo": slo_ms,
             "met": flood.accepted_p99_ms is not None and flood.accepted_p99_ms <= slo_ms,
         },
+        "only_200_429_503": {
+            "value": sorted(flood.statuses),
+            "met": set(flood.statuses) <= {"200", *REFUSALS},
+        },
+        "memory_bounded": rss_verdict(flood.rss_mib),
         "recovered_within_2_s": {
             "value_s": recovered,
             "bound_ms": RECOVERED_WITHIN * unloaded_p99_ms,
@@ -154,7 +191,21 @@ def verdicts(knee_throughput: float, unloaded_p99_ms: float, slo_ms: float, floo
     }
 
 
-def measure_endpoint(url: str, payloads: list, slo_ms: float, args: argparse.Namespace) -> dict[str, Any]:
+def rss_verdict(rss: list[tuple[float, float]]) -> dict[str, Any]:
+    """The flood may raise memory while it lasts (buffers for in-flight requests), not leave it raised."""
+    before, peak, after = rss[0][1], max(mib for _, mib in rss), rss[-1][1]
+    return {
+        "before_mib": before,
+        "peak_mib": peak,
+        "after_mib": after,
+        "target": "peak <= 1.5 x before, after <= 1.1 x before",
+        "met": peak <= 1.5 * before and after <= 1.1 * before,
+    }
+
+
+def measure_endpoint(
+    url: str, payloads: list, slo_ms: float, supervisor: int, args: argparse.Namespace
+) -> dict[str, Any]:
     import uvloop
 
     from loadtest.generator import post_requests
@@ -174,7 +225,9 @@ def measure_endpoint(url: str, payloads: list, slo_ms: float, args: argparse.Nam
     print(f"flooding {url} at concurrency {concurrency} for {args.flood_s:g} s …", file=sys.stderr)
     requests = post_requests(url, payloads)
     bound_ms = RECOVERED_WITHIN * unloaded.p99
-    flood = uvloop.run(flood_then_recover(url, requests, concurrency=concurrency, bound_ms=bound_ms, args=args))
+    flood = uvloop.run(
+        flood_then_recover(url, requests, concurrency=concurrency, bound_ms=bound_ms, supervisor=supervisor, args=args)
+    )
     return {
         "slo_ms": slo_ms,
         "unloaded": asdict(unloaded),
@@ -200,6 +253,7 @@ def print_summary(results: dict[str, Any]) -> None:
         "refused p99 ms",
         "statuses",
         "recovered after s",
+        "workers MiB before / peak / after",
     ):
         table.add_column(column, justify="right")
     for model, r in results["models"].items():
@@ -213,6 +267,7 @@ def print_summary(results: dict[str, Any]) -> None:
             number_text(flood["refused_p99_ms"]),
             " ".join(f"{k}:{v}" for k, v in flood["statuses"].items()),
             number_text(flood["recovered_after_s"]),
+            "{before_mib:.0f} / {peak_mib:.0f} / {after_mib:.0f}".format(**r["targets"]["memory_bounded"]),
         )
     console = Console(width=180)
     console.print(table)
@@ -263,11 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     results = run_record(args, manifest_path) | {"models": {}}
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
     log = args.out / f"logs-{stamp}" / "optiserve-overload.log"
-    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as url:
+    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
         for model in [m.strip() for m in args.models.split(",") if m.strip()]:
             route = manifest.classify if model == "image" else manifest.embed
             payloads, path = sample_payloads(model, files, texts)
-            results["models"][model] = measure_endpoint(url + path, payloads, float(route.max_latency_ms), args)
+            slo_ms = float(route.max_latency_ms)
+            results["models"][model] = measure_endpoint(server.url + path, payloads, slo_ms, server.pid, args)
     print_summary(results)
     path = args.out / f"overload-{stamp}.json"
     write_record(results, path)

@@ -52,11 +52,25 @@ def running(
 
 
 @contextmanager
-def on_free_port(command: list[str], *, env: dict[str, str], cwd: Path, log: Path) -> Iterator[str]:
-    """`command --port N` on a free local port, as `running` does; yields its base URL."""
+def on_free_port(command: list[str], *, env: dict[str, str], cwd: Path, log: Path) -> Iterator[Started]:
+    """`command --port N` on a free local port, as `running` does."""
     port = free_port()
     with running([*command, "--port", str(port)], url=f"http://127.0.0.1:{port}", env=env, cwd=cwd, log=log) as started:
-        yield started.url
+        yield started
+
+
+def worker_rss_mib(supervisor: int) -> float:
+    """Resident memory of BentoML's service worker(s) under the supervisor."""
+    import psutil
+
+    total = 0
+    for child in psutil.Process(supervisor).children(recursive=True):
+        try:
+            if any("_bentoml_impl.worker" in part for part in child.cmdline()):
+                total += child.memory_info().rss
+        except psutil.Error:
+            continue
+    return total / 2**20
 
 
 def wait_ready(process: subprocess.Popen, url: str, log: Path, timeout: float) -> None:

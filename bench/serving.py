@@ -93,9 +93,13 @@ def machine() -> dict[str, Any]:
     memory_kib = next(
         int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
     )
-    versions = {name: package_metadata.version(name) for name in ("bentoml", "onnxruntime", "torch", "numpy")}
+    from serving.cpu import isa_flags
+
+    packages = ("bentoml", "onnxruntime", "openvino", "torch", "numpy")
+    versions = {name: package_metadata.version(name) for name in packages}
     return {
         "cpu": cpu,
+        "isa": list(isa_flags()),
         "cores": len(os.sched_getaffinity(0)),
         "memory_gib": round(memory_kib / 2**20, 1),
         "python": platform.python_version(),
@@ -372,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         measure = image_limit if model == "image" else text_limit
         inputs = files if model == "image" else texts
         print(f"measuring the {model} limit …", file=sys.stderr)
-        limit = measure(Path(stored.path), stored.info.metadata, inputs, seconds=args.limit_seconds, slo_ms=args.slo_ms)
+        limit = measure(stored, inputs, seconds=args.limit_seconds, slo_ms=args.slo_ms)
         results["models"][model]["limit"] = asdict(limit) | {"served_max_batch_size": route.max_batch_size}
 
     env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
@@ -386,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         return text_payloads(texts), "/embed"
 
     def measure_server(name: str, command: list[str], env: dict[str, str], cwd: Path, payloads_for) -> None:
-        with on_free_port(command, env=env, cwd=cwd, log=logs / f"{name}.log") as url:
+        with on_free_port(command, env=env, cwd=cwd, log=logs / f"{name}.log") as server:
+            url = server.url
             for model in models:
                 payloads, path = payloads_for(model)
                 results["models"][model][f"{name}_sweep"] = sweep(url + path, payloads, args, input_kind=model)

@@ -48,24 +48,11 @@ def knee_throughput(url: str, payloads: list, slo_ms: float) -> float:
     return knee.throughput
 
 
-def worker_rss_mib(supervisor: int) -> float:
-    """Resident memory of BentoML's service worker(s) under the supervisor."""
-    import psutil
-
-    total = 0
-    for child in psutil.Process(supervisor).children(recursive=True):
-        try:
-            if any("_bentoml_impl.worker" in part for part in child.cmdline()):
-                total += child.memory_info().rss
-        except psutil.Error:
-            continue
-    return total / 2**20
-
-
 async def soak(
     endpoints: dict[str, tuple[str, list, float]], supervisor: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     """Open-loop load on every endpoint at once; RSS samples beside it."""
+    from bench.processes import worker_rss_mib
     from loadtest.client import Pool
     from loadtest.generator import open_loop, post_requests
     from loadtest.stats import Recorder
@@ -202,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest_path = prepare_store(args)
     import uvloop
 
-    from bench.processes import OPTISERVE, free_port, running
+    from bench.processes import OPTISERVE, on_free_port
     from loadtest.inputs import sample_photo_files
     from pipeline.samples import sample_texts
     from serving.manifest import load_manifest
@@ -210,12 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = load_manifest(manifest_path)
     files, texts = sample_photo_files(), sample_texts(SAMPLE_TEXTS)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = args.out / f"logs-{stamp}" / "optiserve-soak.log"
-    with running(
-        [*OPTISERVE, "--port", str(port)], url=url, env=server_env(manifest_path), cwd=REPO, log=log
-    ) as server:
+    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
+        url = server.url
         endpoints = {}
         for model, route in (("image", manifest.classify), ("text", manifest.embed)):
             payloads, path = sample_payloads(model, files, texts)

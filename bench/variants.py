@@ -57,28 +57,39 @@ def synthetic_feeds(model, sequence_length: int):
 def measure(name: str, args: argparse.Namespace) -> list[dict]:
     import bentoml
 
-    from pipeline.profile import onnx_runner, time_interleaved
+    from pipeline.profile import engine_runner, time_interleaved
+    from serving.cpu import isa_flags
     from serving.engine import EngineSettings
+    from serving.model_runtime import engine_of
     from serving.model_spec import ONNX_FILE
 
     variants = {m.info.labels["variant"]: m for m in sibling_variants(bentoml.models.get(name))}
     settings = EngineSettings.from_environment()
     runners = {
-        variant: onnx_runner(Path(model.path) / ONNX_FILE, synthetic_feeds(model, args.sequence_length), settings)
+        variant: engine_runner(
+            Path(model.path) / ONNX_FILE, synthetic_feeds(model, args.sequence_length), settings, engine_of(model)
+        )
         for variant, model in variants.items()
     }
     print(f"{name}: timing {', '.join(runners)} at batch {args.batch} …", file=sys.stderr)
     points = time_interleaved(runners, args.batch, seconds=args.seconds, blocks=8)
     fp32 = points["fp32"].p50_ms
+    # Each engine's own FP32: the export itself for ONNX Runtime, the `openvino` variant for OpenVINO.
+    engine_fp32 = {"onnxruntime": fp32, "openvino": points["openvino"].p50_ms if "openvino" in points else None}
     return [
         {
             "model": str(model.tag),
             "variant": variant,
+            "engine": engine_of(model),
             "precision": model.info.labels.get("precision"),
             "batch": args.batch,
             "p50_ms": points[variant].p50_ms,
             "rows_per_s": points[variant].throughput,
             "speedup_vs_fp32": fp32 / points[variant].p50_ms,
+            "speedup_vs_engine_fp32": (own / points[variant].p50_ms)
+            if (own := engine_fp32[engine_of(model)])
+            else None,
+            "isa": list(isa_flags()),
             "evaluation": model.info.metadata.get("evaluation"),
         }
         for variant, model in variants.items()
@@ -92,16 +103,18 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [row for name in args.models for row in measure(name, args)]
     table = Table(title=f"variants against FP32 at batch {args.batch} (text rows: {args.sequence_length} tokens)")
-    for column in ("model", "variant", "precision", "p50 ms", "rows/s", "× FP32"):
+    for column in ("model", "variant", "engine", "precision", "p50 ms", "rows/s", "× ORT FP32", "× engine's FP32"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
             row["model"],
             row["variant"],
+            row["engine"],
             row["precision"] or "-",
             f"{row['p50_ms']:.1f}",
             f"{row['rows_per_s']:.1f}",
             f"{row['speedup_vs_fp32']:.2f}",
+            "-" if row["speedup_vs_engine_fp32"] is None else f"{row['speedup_vs_engine_fp32']:.2f}",
         )
     Console(width=140).print(table)
     args.out.mkdir(parents=True, exist_ok=True)

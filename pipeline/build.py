@@ -22,9 +22,9 @@ from pipeline.profile import Batching, ProfilePoint, Run, best_point, choose_bat
 from pipeline.recipe import REQUESTS_FIELD, LoadedRecipe, Recipe, request_texts
 from pipeline.registry import RECIPE_HASH, find_selected, register
 from pipeline.sources import SourceModel, load_source
-from pipeline.tuning import Candidate, tune
+from pipeline.tuning import Candidate, Predict, tune
 from pipeline.variants import KINDS, VariantInputs
-from serving.engine import EngineSettings, OnnxEngine, available_providers
+from serving.engine import ENGINE_LABEL, EngineName, EngineSettings, available_providers, open_engine
 from serving.manifest import Route
 from serving.model_runtime import onnx_runtime
 from serving.model_spec import CLASS_NAMES_FILE, ONNX_FILE, SPEC_KEY, TOKENIZER_FILE, ImageInput, ModelSpec, TextInput
@@ -124,9 +124,9 @@ def text_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, requests
     )
 
 
-def _predictor(data: TaskData, settings: EngineSettings) -> Callable[[Path], np.ndarray]:
-    def predict(path: Path) -> np.ndarray:
-        engine = OnnxEngine(path, settings)
+def _predictor(data: TaskData, settings: EngineSettings) -> Predict:
+    def predict(path: Path, engine_name: EngineName) -> np.ndarray:
+        engine = open_engine(engine_name, path, settings)
         output = engine.output_names[0]
         return run_batched(lambda rows: engine.run(data.feeds(rows))[output], data.evaluation)
 
@@ -245,7 +245,7 @@ def tune_variants(
 ) -> list[Candidate]:
     """FP32 as the reference, then each requested kind tuned against the budget, in recipe order."""
     predict = _predictor(data, settings)
-    reference = predict(inputs.fp32)
+    reference = predict(inputs.fp32, "onnxruntime")
     labels = data.evaluation.labels
     baseline = evaluate(recipe.task, reference, reference, labels)
     candidates = [
@@ -288,7 +288,7 @@ def profile_candidates(
     """Profile every accepted candidate and PyTorch eager together, on batches drawn alike from the
     profiling rows; returns the eager profile."""
     runners = {
-        c.variant: runtime_runner(onnx_runtime(c.path, data.spec, settings), sampler(data.profiling.rows))
+        c.variant: runtime_runner(onnx_runtime(c.path, data.spec, settings, c.engine), sampler(data.profiling.rows))
         for c in candidates
         if c.accepted
     }
@@ -311,7 +311,7 @@ def register_candidate(
             "task": recipe.task,
             "variant": candidate.variant,
             "precision": candidate.precision,
-            "runtime": "onnxruntime",
+            ENGINE_LABEL: candidate.engine,
             "recipe": recipe.name,
         },
         metadata=_clean(

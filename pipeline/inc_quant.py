@@ -28,7 +28,8 @@ import torch
 from onnx import numpy_helper
 
 from pipeline.export import ServingGraph
-from pipeline.variants import VariantInputs, cpu_has_vnni, kind
+from pipeline.variants import VariantInputs, kind
+from serving.cpu import has_vnni
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def _configs(inputs: VariantInputs) -> list[dict[str, Any]]:
     `autotune` starts empty and the build fills it in place with what neural-compressor tried; the
     tuner's trial record holds the same dict, so the record shows it.
     """
-    conv_weight_bits = 8 if cpu_has_vnni() else 7
+    conv_weight_bits = 8 if has_vnni() else 7
     return [
         {
             "layers": layers,

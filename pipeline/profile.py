@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
-from serving.engine import EngineSettings, OnnxEngine
+from serving.engine import EngineSettings, open_engine
 from serving.model_runtime import ModelRuntime, TextModelRuntime
 from serving.text import padded_tokens
 
@@ -134,9 +134,9 @@ def runtime_runner(runtime: ModelRuntime, draw: Draw) -> Run:
     return run_images
 
 
-def onnx_runner(path: Path, feeds_for: Callable[[int], dict], settings: EngineSettings) -> Run:
-    """Given feeds straight into a session: `bench.variants` times every variant at one batch."""
-    engine = OnnxEngine(path, settings)
+def engine_runner(path: Path, feeds_for: Callable[[int], dict], settings: EngineSettings, engine_name: str) -> Run:
+    """Given feeds straight into an engine: `bench.variants` times every variant at one batch."""
+    engine = open_engine(engine_name, path, settings)
 
     def run(batch: int) -> None:
         engine.run(feeds_for(batch))

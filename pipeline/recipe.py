@@ -109,7 +109,9 @@ class Serving(Strict):
     max_items_per_request: int = Field(default=64, ge=1)
 
 
-VariantName = Literal["graph-opt", "int8-dynamic", "int8-static", "fp16", "student", "student-int8", "inc-int8"]
+VariantName = Literal[
+    "graph-opt", "int8-dynamic", "int8-static", "fp16", "student", "student-int8", "inc-int8", "openvino", "openvino-int8"
+]
 METRICS = {
     "image-classification": ("top1_agreement", "top5_agreement", "accuracy"),
     "text-embedding": ("mean_cosine", "min_cosine", "knn10_agreement"),

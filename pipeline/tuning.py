@@ -15,9 +15,10 @@ from pipeline.evaluate import drops, evaluate
 from pipeline.profile import ProfilePoint
 from pipeline.recipe import Budget
 from pipeline.variants import VariantInputs, VariantKind
+from serving.engine import EngineName
 
 logger = logging.getLogger(__name__)
-Predict = Callable[[Path], np.ndarray]
+Predict = Callable[[Path, EngineName], np.ndarray]  # a graph's outputs on the evaluation split
 
 
 class Trial(BaseModel):
@@ -34,6 +35,7 @@ class Candidate(BaseModel):
 
     variant: str
     precision: str
+    engine: EngineName = "onnxruntime"
     path: Path | None = None
     size_mb: float = 0.0
     config: dict = Field(default_factory=dict)
@@ -63,7 +65,7 @@ def tune(
     labels: np.ndarray | None,
     budget: Budget,
 ) -> Candidate:
-    candidate = Candidate(variant=kind.name, precision=kind.precision)
+    candidate = Candidate(variant=kind.name, precision=kind.precision, engine=kind.engine)
     if kind.requires and kind.requires not in inputs.built:
         return candidate.model_copy(update={"reason": f"not built: needs an accepted {kind.requires} variant"})
     for index, config in enumerate(kind.configs(inputs)):
@@ -73,7 +75,7 @@ def tune(
         try:
             kind.build(inputs, config, out)
             trial.config = config  # a kind may record what it chose inside its config while building
-            trial.metrics = evaluate(inputs.task, reference, predict(out), labels)
+            trial.metrics = evaluate(inputs.task, reference, predict(out, kind.engine), labels)
         except Exception as exc:  # a quantizer or runtime refusing a graph is a failed trial, not a crash
             logger.warning("%s %s failed: %s", kind.name, config, exc)
             trial.error = f"{type(exc).__name__}: {exc}"

@@ -18,6 +18,8 @@ import onnxruntime as ort
 from pipeline.datasets import Split
 from pipeline.export import ServingGraph
 from pipeline.recipe import Student
+from serving.cpu import has_vnni
+from serving.engine import EngineName
 from serving.model_spec import Task
 
 Feeds = Callable[[list], dict]
@@ -59,16 +61,21 @@ class VariantKind:
     build: Callable[[VariantInputs, dict[str, Any], Path], None]
     doc: str
     requires: str | None = None  # a kind whose accepted graph this one builds on
+    engine: EngineName = "onnxruntime"  # what evaluates, profiles and serves it
 
 
 KINDS: dict[str, VariantKind] = {}
 
 
 def kind(
-    name: str, precision: str, configs: Callable[[VariantInputs], list[dict[str, Any]]], requires: str | None = None
+    name: str,
+    precision: str,
+    configs: Callable[[VariantInputs], list[dict[str, Any]]],
+    requires: str | None = None,
+    engine: EngineName = "onnxruntime",
 ):
     def register(build: Callable[[VariantInputs, dict[str, Any], Path], None]):
-        KINDS[name] = VariantKind(name, precision, configs, build, (build.__doc__ or "").strip(), requires)
+        KINDS[name] = VariantKind(name, precision, configs, build, (build.__doc__ or "").strip(), requires, engine)
         return build
 
     return register
@@ -108,15 +115,9 @@ def _int8_dynamic(inputs: VariantInputs, config: dict, out: Path) -> None:
     )
 
 
-def cpu_has_vnni() -> bool:
-    """Without VNNI, x86 int8 kernels can saturate u8×s8 products; ORT then advises 7-bit weights."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "vnni" in flags
-
-
 def _static_configs(inputs: VariantInputs) -> list[dict]:
     methods = ("minmax", "entropy", "percentile")
-    reduce_range = not cpu_has_vnni()
+    reduce_range = not has_vnni()
     if inputs.is_transformer:
         # Quantizing every op collapses transformer accuracy; weight MatMuls alone hold it.
         return [{"ops": "all", "method": "minmax", "reduce_range": reduce_range}] + [
@@ -246,4 +247,4 @@ def _student_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
 
 
 # Kinds defined in their own modules register themselves on import.
-from pipeline import inc_quant  # noqa: E402,F401
+from pipeline import inc_quant, openvino_variants  # noqa: E402,F401

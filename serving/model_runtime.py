@@ -1,4 +1,4 @@
-"""The batched side: one ONNX session per served model, fed whole batches by BentoML's batcher."""
+"""The batched side: one engine session per served model, fed whole batches by the batcher."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from serving.artifacts import check_artifacts
-from serving.engine import EngineSettings, OnnxEngine
+from serving.engine import ENGINE_LABEL, EngineSettings, open_engine
 from serving.model_spec import ONNX_FILE, SPEC_KEY, ModelSpec
 from serving.text import length_groups, pad_batch
 
@@ -25,10 +25,16 @@ class ImageModelRuntime:
     """uint8 NHWC batch in, class probabilities out."""
 
     def __init__(
-        self, model_dir: Path, spec: ModelSpec, settings: EngineSettings, *, onnx_file: str = ONNX_FILE
+        self,
+        model_dir: Path,
+        spec: ModelSpec,
+        settings: EngineSettings,
+        *,
+        onnx_file: str = ONNX_FILE,
+        engine: str = "onnxruntime",
     ) -> None:
         self.spec = spec
-        self.engine = OnnxEngine(model_dir / onnx_file, settings)
+        self.engine = open_engine(engine, model_dir / onnx_file, settings)
 
     def predict(self, images: np.ndarray) -> np.ndarray:
         (input_name,) = self.engine.input_names
@@ -46,10 +52,16 @@ class TextModelRuntime:
     """Unpadded token ids in, one L2-normalized embedding per row out."""
 
     def __init__(
-        self, model_dir: Path, spec: ModelSpec, settings: EngineSettings, *, onnx_file: str = ONNX_FILE
+        self,
+        model_dir: Path,
+        spec: ModelSpec,
+        settings: EngineSettings,
+        *,
+        onnx_file: str = ONNX_FILE,
+        engine: str = "onnxruntime",
     ) -> None:
         self.spec = spec
-        self.engine = OnnxEngine(model_dir / onnx_file, settings)
+        self.engine = open_engine(engine, model_dir / onnx_file, settings)
 
     def predict(self, rows: list[list[int]]) -> np.ndarray:
         """Rows run in groups of similar length (serving/text.py, `length_groups`)."""
@@ -77,17 +89,28 @@ ModelRuntime = ImageModelRuntime | TextModelRuntime
 RUNTIME_FOR_ENDPOINT: dict[str, type[ModelRuntime]] = {"classify": ImageModelRuntime, "embed": TextModelRuntime}
 
 
-def onnx_runtime(path: Path, spec: ModelSpec, settings: EngineSettings) -> ModelRuntime:
+def onnx_runtime(path: Path, spec: ModelSpec, settings: EngineSettings, engine: str = "onnxruntime") -> ModelRuntime:
     """A runtime over any ONNX file: the pipeline times its candidates through the serving code
     before they are stored."""
     runtime = TextModelRuntime if spec.text is not None else ImageModelRuntime
-    return runtime(path.parent, spec, settings, onnx_file=path.name)
+    return runtime(path.parent, spec, settings, onnx_file=path.name, engine=engine)
+
+
+def engine_of(stored: Any) -> str:
+    """The engine a stored model (`bentoml.Model`) was measured on; models stored before engines
+    were recorded ran on ONNX Runtime."""
+    return stored.info.labels.get(ENGINE_LABEL, "onnxruntime")
 
 
 def load_runtime(endpoint: str, stored: Any, *, max_batch_size: int, settings: EngineSettings) -> ModelRuntime:
     """The session for a stored model (`bentoml.Model`), its files checked against their recorded
     sha256 first, warmed up at the batch sizes it will see."""
     check_artifacts(stored)
-    runtime = RUNTIME_FOR_ENDPOINT[endpoint](Path(stored.path), read_spec(stored.info.metadata), settings)
+    runtime = RUNTIME_FOR_ENDPOINT[endpoint](
+        Path(stored.path),
+        read_spec(stored.info.metadata),
+        settings,
+        engine=engine_of(stored),
+    )
     runtime.warm_up(max_batch_size)
     return runtime

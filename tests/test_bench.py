@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from tiny_http import directives
@@ -37,7 +36,7 @@ def test_limit_tries_every_batch_size_whatever_the_served_cap(built_models) -> N
     built = built_models["text-embedder"]
     assert built.batching.max_batch_size < max(BATCH_SIZES), "the test store profiles small batches only"
 
-    limit = text_limit(Path(built.model.path), built.model.info.metadata, sample_texts(64), seconds=0.1, slo_ms=1e6)
+    limit = text_limit(built.model, sample_texts(64), seconds=0.1, slo_ms=1e6)
 
     assert sorted(limit.rows_per_s) == list(BATCH_SIZES)
     assert limit.throughput == max(limit.rows_per_s.values()) == limit.rows_per_s[limit.best_batch]

@@ -1,9 +1,11 @@
-"""The overload benchmark's figures: goodput over the flood, refusal latency, recovery time."""
+"""The overload benchmark's figures: goodput over the flood, refusal latency, recovery time, memory."""
 
 from __future__ import annotations
 
-from bench.overload import BUCKET_S, recovered_after, summarize_flood, verdicts
+from bench.overload import BUCKET_S, recovered_after, rss_verdict, summarize_flood, verdicts
 from loadtest.stats import Outcome
+
+STEADY = [(0.0, 500.0), (30.0, 560.0), (66.0, 510.0)]
 
 
 def test_recovery_starts_at_the_first_bucket_from_which_the_pooled_p99_stays_within_bound() -> None:
@@ -21,7 +23,7 @@ def test_flood_figures_count_goodput_per_second_and_refusals_apart_from_accepted
     probed = [Outcome(finished=stopped + 0.1, latency=0.5, status="200")]
     probed += [Outcome(finished=stopped + 0.6 + i / 100, latency=0.004, status="200") for i in range(40)]
 
-    flood = summarize_flood(flooded, probed, started, stopped, concurrency=32, bound_ms=6.0)
+    flood = summarize_flood(flooded, probed, started, stopped, concurrency=32, bound_ms=6.0, rss=STEADY)
 
     assert flood.goodput == 5.0
     assert flood.statuses == {"200": 50, "429": 1, "503": 99}
@@ -31,7 +33,7 @@ def test_flood_figures_count_goodput_per_second_and_refusals_apart_from_accepted
 
 def test_targets_follow_the_issue() -> None:
     flooded = [Outcome(finished=1.0, latency=0.1, status="200") for _ in range(95)]
-    flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0)
+    flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0, rss=STEADY)
 
     met = verdicts(knee_throughput=100.0, unloaded_p99_ms=5.0, slo_ms=1000.0, flood=flood)
 
@@ -39,3 +41,16 @@ def test_targets_follow_the_issue() -> None:
     assert not verdicts(knee_throughput=120.0, unloaded_p99_ms=5.0, slo_ms=1000.0, flood=flood)["goodput_vs_knee"][
         "met"
     ]
+
+
+def test_a_flood_may_raise_memory_while_it_lasts_but_not_leave_it_raised() -> None:
+    assert rss_verdict(STEADY)["met"]
+    assert not rss_verdict([(0.0, 500.0), (30.0, 600.0), (66.0, 600.0)])["met"], "left 20 % behind"
+    assert not rss_verdict([(0.0, 500.0), (30.0, 900.0), (66.0, 500.0)])["met"], "unbounded while it lasted"
+
+
+def test_any_status_but_200_429_and_503_misses_the_target() -> None:
+    flooded = [Outcome(finished=1.0, latency=0.1, status=status) for status in ("200", "503", "500")]
+    flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0, rss=STEADY)
+
+    assert not verdicts(knee_throughput=1.0, unloaded_p99_ms=5.0, slo_ms=1000.0, flood=flood)["only_200_429_503"]["met"]
