@@ -88,17 +88,15 @@ def sample_payloads(model: str, files: dict[str, bytes], texts: list[str]) -> tu
 
 
 def machine() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), platform.processor())
     memory_kib = next(
         int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
     )
-    from serving.cpu import isa_flags
+    from serving.cpu import cpu_name, isa_flags
 
     packages = ("bentoml", "onnxruntime", "openvino", "torch", "numpy")
     versions = {name: package_metadata.version(name) for name in packages}
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "isa": list(isa_flags()),
         "cores": len(os.sched_getaffinity(0)),
         "memory_gib": round(memory_kib / 2**20, 1),

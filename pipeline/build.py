@@ -318,11 +318,7 @@ def register_candidate(
             {
                 **metadata,
                 "variant_config": candidate.config,
-                "opset": max(
-                    o.version
-                    for o in onnx.load(str(candidate.path), load_external_data=False).opset_import
-                    if o.domain in ("", "ai.onnx")
-                ),
+                "opset": onnx_opset(candidate.path),
                 "evaluation": {"metrics": candidate.metrics, "drops": candidate.drops},
                 "profile": [p.model_dump() for p in candidate.profile],
                 "selected": selected,

@@ -110,7 +110,15 @@ class Serving(Strict):
 
 
 VariantName = Literal[
-    "graph-opt", "int8-dynamic", "int8-static", "fp16", "student", "student-int8", "inc-int8", "openvino", "openvino-int8"
+    "graph-opt",
+    "int8-dynamic",
+    "int8-static",
+    "fp16",
+    "student",
+    "student-int8",
+    "inc-int8",
+    "openvino",
+    "openvino-int8",
 ]
 METRICS = {
     "image-classification": ("top1_agreement", "top5_agreement", "accuracy"),

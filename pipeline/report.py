@@ -8,14 +8,15 @@ from typing import TYPE_CHECKING
 from pipeline.profile import Batching, ProfilePoint, best_point
 from pipeline.recipe import Recipe
 from pipeline.tuning import Candidate
+from serving.cpu import describe_cpu
 
 if TYPE_CHECKING:
     from pipeline.build import BuildResult
 
 HEADER = (
-    "| variant | precision | size MB | p50 @ batch 1 (ms) | throughput @ best batch (rows/s) | × vs PyTorch eager "
-    "| × vs ONNX FP32 | metric | drop | accepted (why not) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|\n"
+    "| variant | engine | precision | size MB | p50 @ batch 1 (ms) | throughput @ best batch (rows/s) "
+    "| × vs PyTorch eager | × vs ONNX FP32 | metric | drop | accepted (why not) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|\n"
 )
 
 
@@ -32,8 +33,9 @@ def table(recipe: Recipe, candidates: list[Candidate], eager: list[ProfilePoint]
     fp32 = best_point(candidates[0].profile).throughput
     eager_best = best_point(eager)
     rows = [
-        f"| PyTorch eager | fp32 | - | {_batch1(eager)} | {eager_best.throughput:.1f} @ {eager_best.batch_size} "
-        f"| 1.00 | {eager_best.throughput / fp32:.2f} | - | - | reference for speed |"
+        f"| PyTorch eager | torch | fp32 | - | {_batch1(eager)} "
+        f"| {eager_best.throughput:.1f} @ {eager_best.batch_size} | 1.00 | {eager_best.throughput / fp32:.2f} "
+        "| - | - | reference for speed |"
     ]
     for c in candidates:
         if c.profile:
@@ -46,7 +48,7 @@ def table(recipe: Recipe, candidates: list[Candidate], eager: list[ProfilePoint]
         drop = f"{c.drops[metric]:.4f}" if metric in c.drops else "-"
         verdict = "yes" if c.accepted else f"no ({c.reason})"
         rows.append(
-            f"| {c.variant} | {c.precision} | {c.size_mb:.1f} | {_batch1(c.profile)} | {speed} | {ratios} "
+            f"| {c.variant} | {c.engine} | {c.precision} | {c.size_mb:.1f} | {_batch1(c.profile)} | {speed} | {ratios} "
             f"| {metric} {value} | {drop} | {verdict} |"
         )
     return HEADER + "\n".join(rows) + "\n"
@@ -141,9 +143,10 @@ def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
         f"# {recipe.name}\n\n{recipe.description}\n\nServed: `{result.model.tag}` ({served}). "
         f"{batching_text(recipe, result.batching)}\n\n"
         f"{table(recipe, candidates, eager)}\n"
-        "Profiled on this machine (ONNX Runtime, all cores) through the serving runtime, on batches drawn "
-        "at random from real inputs; throughput is rows per second over all timed calls; metrics are "
-        "measured on held-out data against the FP32 ONNX model.\n\n"
+        f"Profiled on this machine ({describe_cpu()}) through the serving runtime, each variant on its "
+        "engine with all cores, on batches drawn at random from real inputs; throughput is rows per "
+        "second over all timed calls; metrics are measured on held-out data against the FP32 ONNX model "
+        "on ONNX Runtime.\n\n"
         f"## Profile of the served variant ({served})\n\n{profile_table(served_profile)}\n"
         f"## Tuning trials\n\n{trials or 'none'}\n\n"
         "![accuracy against throughput](frontier.png)\n\n![latency against batch size](latency.png)\n"

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from serving.artifacts import check_artifacts
+from serving.cpu import describe_cpu
 from serving.engine import ENGINE_LABEL, EngineSettings, open_engine
 from serving.model_spec import ONNX_FILE, SPEC_KEY, ModelSpec
 from serving.text import length_groups, pad_batch
@@ -106,6 +107,7 @@ def load_runtime(endpoint: str, stored: Any, *, max_batch_size: int, settings: E
     """The session for a stored model (`bentoml.Model`), its files checked against their recorded
     sha256 first, warmed up at the batch sizes it will see."""
     check_artifacts(stored)
+    logger.info("%s: %s runs on %s (%s)", endpoint, stored.tag, engine_of(stored), describe_cpu())
     runtime = RUNTIME_FOR_ENDPOINT[endpoint](
         Path(stored.path),
         read_spec(stored.info.metadata),

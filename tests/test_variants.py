@@ -48,7 +48,7 @@ def tiny_text_recipe(tmp_path_factory) -> dict:
         "source": {"kind": "huggingface", "path": str(tiny_bert_dir(root))},
         "text": {"max_length": 64},
         "export": {"tolerance": {"max_abs_diff": 1e-4, "min_cosine": 0.9999}},
-        "variants": ["graph-opt", "int8-dynamic", "int8-static", "fp16"],
+        "variants": ["graph-opt", "int8-dynamic", "int8-static", "fp16", "openvino", "openvino-int8"],
         "budget": {"max_drop": {"mean_cosine": 0.05}, "p99_slo_ms": 2000},
         "profiling": TINY_PROFILE,
         "serving": {"endpoint": "embed"},
@@ -66,7 +66,15 @@ def by_variant(result: BuildResult) -> dict:
 
 
 def test_every_requested_variant_is_reported(tiny_text: BuildResult) -> None:
-    assert list(by_variant(tiny_text)) == ["fp32", "graph-opt", "int8-dynamic", "int8-static", "fp16"]
+    assert list(by_variant(tiny_text)) == [
+        "fp32",
+        "graph-opt",
+        "int8-dynamic",
+        "int8-static",
+        "fp16",
+        "openvino",
+        "openvino-int8",
+    ]
 
 
 def test_graph_optimization_fuses_attention(tiny_text: BuildResult) -> None:
@@ -88,6 +96,23 @@ def test_int8_dynamic_is_int8_and_close_to_fp32(tiny_text: BuildResult) -> None:
     assert candidate.metrics["mean_cosine"] > 0.95
     assert candidate.size_mb < by_variant(tiny_text)["fp32"].size_mb
     assert candidate.trials[0].config == {"per_channel": True}
+
+
+def test_openvino_runs_the_fp32_export_unchanged(tiny_text: BuildResult) -> None:
+    candidate = by_variant(tiny_text)["openvino"]
+    assert candidate.accepted and candidate.engine == "openvino"
+    assert candidate.drops["mean_cosine"] < 1e-5, "OpenVINO kept at f32 computes what ONNX Runtime does"
+
+
+def test_openvino_int8_is_nncf_quantized_and_close_to_fp32(tiny_text: BuildResult) -> None:
+    candidate = by_variant(tiny_text)["openvino-int8"]
+    assert candidate.accepted, candidate.reason
+    assert candidate.engine == "openvino" and candidate.precision == "int8"
+    assert candidate.trials[0].config["preset"] == "performance"
+    assert candidate.metrics["mean_cosine"] > 0.95
+    stored = bentoml.models.get(f"tiny-embedder:{_tag_of(tiny_text, 'openvino-int8')}")
+    ops = [node.op_type for node in onnx.load(Path(stored.path) / "model.onnx").graph.node]
+    assert ops.count("QuantizeLinear") >= 12, "every weighted MatMul of the two layers runs in int8"
 
 
 def test_int8_static_records_every_trial_in_order(tiny_text: BuildResult) -> None:
@@ -112,9 +137,10 @@ def test_registered_labels_and_metadata_of_variants(tiny_text: BuildResult) -> N
     for variant, model in stored.items():
         labels = model.info.labels
         assert labels["precision"] == by_variant(tiny_text)[variant].precision
-        assert labels["runtime"] == "onnxruntime" and labels["task"] == "text-embedding"
+        assert labels["runtime"] == by_variant(tiny_text)[variant].engine and labels["task"] == "text-embedding"
         assert model.info.metadata["evaluation"]["metrics"]["mean_cosine"] > 0.9
         assert model.info.metadata["profile"][0]["batch_size"] == 1
+    assert {v for v, m in stored.items() if m.info.labels["runtime"] == "openvino"} == {"openvino", "openvino-int8"}
     selected = [m for m in stored.values() if m.info.metadata["selected"]]
     assert [m.tag for m in selected] == [tiny_text.model.tag]
 
