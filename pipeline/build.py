@@ -15,14 +15,14 @@ import onnx
 import torch
 
 from pipeline.datasets import Split, digits_split, photo_split, text_split
-from pipeline.evaluate import evaluate, run_batched
+from pipeline.evaluate import run_batched
 from pipeline.export import ServingGraph, export_onnx, serving_graph
 from pipeline.export_check import check_export, image_batches, text_batches
 from pipeline.profile import Batching, ProfilePoint, Run, best_point, choose_batching, profile, runtime_runner, sampler
 from pipeline.recipe import REQUESTS_FIELD, LoadedRecipe, Recipe, request_texts
 from pipeline.registry import RECIPE_HASH, find_selected, register
 from pipeline.sources import SourceModel, load_source
-from pipeline.tuning import Candidate, Predict, tune
+from pipeline.tuning import HELD_OUT, Candidate, Predict, judge_slices, tune
 from pipeline.variants import KINDS, VariantInputs
 from serving.engine import ENGINE_LABEL, EngineName, EngineSettings, available_providers, open_engine
 from serving.manifest import Route
@@ -69,7 +69,7 @@ class TaskData:
     check_batches: list[dict[str, np.ndarray]]
     feeds: Callable[[list], dict]
     calibration: Split
-    evaluation: Split
+    evaluation: dict[str, Split]  # slice name → rows the gate judges every variant on
     profiling: Split  # real rows that timed batches are drawn from
     training: Split | None = None
 
@@ -79,21 +79,20 @@ def image_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, workdir
     names = workdir / CLASS_NAMES_FILE
     names.write_text(json.dumps(source.class_names))
     if recipe.source.kind == "train-digits":
-        calibration, evaluation, training = (digits_split(p) for p in ("calibration", "evaluation", "training"))
-    else:
-        calibration, evaluation, training = (
-            photo_split(spec_in, calibration=True),
-            photo_split(spec_in, calibration=False),
-            None,
+        calibration, held_out, perturbed, training = (
+            digits_split(p) for p in ("calibration", HELD_OUT, "perturbed", "training")
         )
+    else:
+        calibration, held_out, perturbed = (photo_split(spec_in, p) for p in ("calibration", HELD_OUT, "perturbed"))
+        training = None
     return TaskData(
         spec=ModelSpec(task=recipe.task, image=spec_in, input_names=graph.input_names, output_names=graph.output_names),
         files={CLASS_NAMES_FILE: names},
         check_batches=image_batches(recipe),
         feeds=lambda rows: {graph.input_names[0]: np.stack(rows)},
         calibration=calibration,
-        evaluation=evaluation,
-        profiling=evaluation,  # decoded photos: an image's cost does not depend on what it shows
+        evaluation={HELD_OUT: held_out, "perturbed": perturbed},
+        profiling=held_out,  # decoded photos: an image's cost does not depend on what it shows
         training=training,
     )
 
@@ -118,7 +117,7 @@ def text_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, requests
         check_batches=text_batches(tokenizer_file, recipe.text.max_length),
         feeds=lambda rows: pad_batch(rows, tokenizer.pad_id),
         calibration=text_split(encode, "calibration"),
-        evaluation=text_split(encode, "evaluation"),
+        evaluation={HELD_OUT: text_split(encode, "evaluation")},
         profiling=Split(encode(request_texts(requests))) if requests else text_split(encode, "profiling"),
         training=text_split(encode, "training"),
     )
@@ -128,7 +127,10 @@ def _predictor(data: TaskData, settings: EngineSettings) -> Predict:
     def predict(path: Path, engine_name: EngineName) -> np.ndarray:
         engine = open_engine(engine_name, path, settings)
         output = engine.output_names[0]
-        return run_batched(lambda rows: engine.run(data.feeds(rows))[output], data.evaluation)
+        return {
+            name: run_batched(lambda rows: engine.run(data.feeds(rows))[output], split)
+            for name, split in data.evaluation.items()
+        }
 
     return predict
 
@@ -246,16 +248,14 @@ def tune_variants(
     """FP32 as the reference, then each requested kind tuned against the budget, in recipe order."""
     predict = _predictor(data, settings)
     reference = predict(inputs.fp32, "onnxruntime")
-    labels = data.evaluation.labels
-    baseline = evaluate(recipe.task, reference, reference, labels)
+    labels = {name: split.labels for name, split in data.evaluation.items()}
     candidates = [
         Candidate(
             variant="fp32",
             precision="fp32",
             path=inputs.fp32,
             size_mb=inputs.fp32.stat().st_size / 1e6,
-            metrics=baseline,
-            drops={k: 0.0 for k in baseline},
+            slices=judge_slices(recipe.task, reference, reference, labels),
             accepted=True,
             reason="reference",
         )
@@ -267,7 +267,6 @@ def tune_variants(
             inputs,
             predict=predict,
             reference=reference,
-            baseline=baseline,
             labels=labels,
             budget=recipe.budget,
         )
@@ -319,7 +318,11 @@ def register_candidate(
                 **metadata,
                 "variant_config": candidate.config,
                 "opset": onnx_opset(candidate.path),
-                "evaluation": {"metrics": candidate.metrics, "drops": candidate.drops},
+                "evaluation": {
+                    "metrics": candidate.metrics,
+                    "drops": candidate.drops,
+                    "slices": {name: figures.model_dump() for name, figures in candidate.slices.items()},
+                },
                 "profile": [p.model_dump() for p in candidate.profile],
                 "selected": selected,
             }

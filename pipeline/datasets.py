@@ -1,22 +1,26 @@
 """Calibration, evaluation and profiling inputs, disjoint by construction, prepared through the
 serving path.
 
-Photos are split by name (calibration never sees an evaluation photo); each is expanded with
-deterministic augmentations. Texts are split by position in the `pydoc_data` corpus: every
-eighth sentence for evaluation, another eighth for calibration, a third eighth for profiling
-(real sentence lengths, unless the recipe names a file of real requests), the rest for
-distillation. Digits use a fixed stratified 75/25 train/test split; calibration draws from
-train only.
+Photos are split by name (calibration never sees an evaluation photo); each is expanded into
+many seeded random views, enough for the gate to see a 1 % budget: the held-out slice takes
+random crops, scales, flips, colour changes and JPEG re-compression of the evaluation photos
+(512 inputs), the perturbed slice shifts, rotates, blurs and adds noise to them (512 more).
+Texts are split by position in the `pydoc_data` corpus: every eighth sentence for evaluation,
+another eighth for calibration, a third eighth for profiling (real sentence lengths, unless the
+recipe names a file of real requests), the rest for distillation. Digits use a fixed stratified
+75/25 train/test split; calibration draws from train only; the perturbed slice is the held-out
+digits shifted by a pixel or slightly rotated.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from PIL import Image, ImageEnhance, ImageOps
+from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from pipeline.samples import corpus_sentences, digit_images, encode, sample_photos
 from serving.classify import ImageUpload, prepare_image
@@ -24,7 +28,8 @@ from serving.images import decode_image
 from serving.model_spec import ImageInput
 
 CALIBRATION_PHOTOS = ("astronaut", "camera", "china")
-AUGMENTATIONS = ("original", "mirror", "zoom", "rotate", "darker", "brighter", "contrast", "grayscale")
+VIEWS_PER_PHOTO = {"calibration": 32, "held-out": 128, "perturbed": 128}
+PhotoSlice = Literal["calibration", "held-out", "perturbed"]
 
 
 @dataclass(frozen=True)
@@ -38,35 +43,58 @@ class Split:
         return len(self.rows)
 
 
-def augment(image: Image.Image, how: str) -> Image.Image:
+def random_view(image: Image.Image, rng: np.random.Generator) -> bytes:
+    """What users upload of a scene: a random crop (35-100 % of the area, aspect 3:4 to 4:3), maybe
+    mirrored, brightness, contrast and saturation within ±30 %, saved as JPEG at quality 40-95."""
     width, height = image.size
-    return {
-        "original": lambda: image,
-        "mirror": lambda: ImageOps.mirror(image),
-        "zoom": lambda: image.crop((width // 8, height // 8, width - width // 8, height - height // 8)),
-        "rotate": lambda: image.rotate(12, resample=Image.Resampling.BILINEAR, expand=False),
-        "darker": lambda: ImageEnhance.Brightness(image).enhance(0.6),
-        "brighter": lambda: ImageEnhance.Brightness(image).enhance(1.4),
-        "contrast": lambda: ImageEnhance.Contrast(image).enhance(1.5),
-        "grayscale": lambda: ImageOps.grayscale(image).convert("RGB"),
-    }[how]()
+    area = rng.uniform(0.35, 1.0) * width * height
+    aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+    crop_w, crop_h = min(width, round(np.sqrt(area * aspect))), min(height, round(np.sqrt(area / aspect)))
+    left, top = rng.integers(0, width - crop_w + 1), rng.integers(0, height - crop_h + 1)
+    view = image.crop((left, top, left + crop_w, top + crop_h))
+    if rng.random() < 0.5:
+        view = ImageOps.mirror(view)
+    for enhance in (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color):
+        view = enhance(view).enhance(rng.uniform(0.7, 1.3))
+    buffer = io.BytesIO()
+    view.save(buffer, format="JPEG", quality=int(rng.integers(40, 96)))
+    return buffer.getvalue()
 
 
-def photo_split(spec: ImageInput, *, calibration: bool) -> Split:
-    """Augmented photos, encoded and decoded again so they take the request path byte for byte."""
+def perturbed_view(image: Image.Image, rng: np.random.Generator) -> bytes:
+    """The whole scene, slightly disturbed: shifted by up to 8 %, rotated by up to 8°, blurred,
+    or with Gaussian noise (σ 4-12 grey levels); saved lossless so nothing else changes."""
+    width, height = image.size
+    how = rng.integers(4)
+    if how == 0:
+        dx, dy = (rng.uniform(-0.08, 0.08, 2) * (width, height)).round().astype(int)
+        view = image.rotate(0, translate=(int(dx), int(dy)))
+    elif how == 1:
+        view = image.rotate(rng.uniform(-8, 8), resample=Image.Resampling.BILINEAR)
+    elif how == 2:
+        view = image.filter(ImageFilter.GaussianBlur(rng.uniform(0.5, 1.5)))
+    else:
+        noise = rng.normal(0, rng.uniform(4, 12), (height, width, 3))
+        view = Image.fromarray(np.clip(np.asarray(image, dtype=np.float32) + noise, 0, 255).astype(np.uint8))
+    return encode(np.asarray(view), "PNG")
+
+
+def photo_split(spec: ImageInput, part: PhotoSlice) -> Split:
+    """Seeded random views of the part's photos, decoded and resized through the request path."""
+    rng = np.random.default_rng(list(VIEWS_PER_PHOTO).index(part))
+    view = perturbed_view if part == "perturbed" else random_view
     rows = []
     for name, data in sample_photos().items():
-        if (name in CALIBRATION_PHOTOS) != calibration:
+        if (name in CALIBRATION_PHOTOS) != (part == "calibration"):
             continue
         image = decode_image(data)
-        for how in AUGMENTATIONS:
-            upload = ImageUpload(encode(np.asarray(augment(image, how)), "PNG"), "image/png", f"{name}:{how}")
-            rows.append(prepare_image(upload, spec))
+        for index in range(VIEWS_PER_PHOTO[part]):
+            rows.append(prepare_image(ImageUpload(view(image, rng), None, f"{name}:{index}"), spec))
     return Split(rows)
 
 
 TextPart = Literal["calibration", "evaluation", "profiling", "training"]
-DigitsPart = Literal["calibration", "evaluation", "training"]
+DigitsPart = Literal["calibration", "held-out", "perturbed", "training"]
 
 
 def text_split(encode_texts: Callable[[list[str]], list], part: TextPart) -> Split:
@@ -85,8 +113,26 @@ def digits_split(part: DigitsPart) -> Split:
 
     images, labels = digit_images()
     train_x, test_x, train_y, test_y = train_test_split(images, labels, test_size=0.25, random_state=0, stratify=labels)
-    if part == "evaluation":
+    if part == "held-out":
         return Split(list(test_x), test_y)
+    if part == "perturbed":
+        rng = np.random.default_rng(0)
+        return Split([perturbed_digit(image, rng) for image in test_x for _ in range(2)], np.repeat(test_y, 2))
     if part == "calibration":
         return Split(list(train_x[:128]), train_y[:128])
     return Split(list(train_x), train_y)
+
+
+def perturbed_digit(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A digit moved by one pixel in a random direction, or rotated by up to 12°: what a model that
+    learned the pixels rather than the strokes gets wrong."""
+    if rng.random() < 0.5:
+        dy, dx = [(0, 1), (0, -1), (1, 0), (-1, 0)][rng.integers(4)]
+        moved = np.zeros_like(image)
+        height, width = image.shape[:2]
+        moved[max(dy, 0) : height + min(dy, 0), max(dx, 0) : width + min(dx, 0)] = image[
+            max(-dy, 0) : height + min(-dy, 0), max(-dx, 0) : width + min(-dx, 0)
+        ]
+        return moved
+    rotated = Image.fromarray(image).rotate(rng.uniform(-12, 12), resample=Image.Resampling.BILINEAR)
+    return np.asarray(rotated)

@@ -120,19 +120,38 @@ def distill_classifier(
     alpha: float = 0.7,
     seed: int = 0,
 ) -> nn.Module:
-    """Hinton-style distillation: alpha·T²·KL(student_T ‖ teacher_T) + (1 − alpha)·CE(labels)."""
+    """Hinton-style distillation: alpha·T²·KL(student_T ‖ teacher_T) + (1 − alpha)·CE(labels), on
+    randomly moved copies of the images (`jitter`) with the teacher's answers on those copies: a
+    small student trained on the clean images alone learns their pixels, and lost 7 points of
+    accuracy on digits shifted by one pixel while the teacher lost 0.2."""
     inputs, targets = normalize(torch.from_numpy(images)), torch.from_numpy(labels).long()
-    with torch.no_grad():
-        soft_targets = torch.softmax(teacher.eval()(inputs) / temperature, dim=-1)
+    teacher.eval()
+    generator = torch.Generator().manual_seed(seed)
 
     def loss_of(index: torch.Tensor) -> torch.Tensor:
-        logits = student(inputs[index])
+        batch = jitter(inputs[index], generator)
+        with torch.no_grad():
+            soft_targets = torch.softmax(teacher(batch) / temperature, dim=-1)
+        logits = student(batch)
         soft = nn.functional.kl_div(
-            torch.log_softmax(logits / temperature, dim=-1), soft_targets[index], reduction="batchmean"
+            torch.log_softmax(logits / temperature, dim=-1), soft_targets, reduction="batchmean"
         )
         return alpha * temperature**2 * soft + (1 - alpha) * nn.functional.cross_entropy(logits, targets[index])
 
     return _fit(student, len(inputs), loss_of, epochs=epochs, seed=seed)
+
+
+def jitter(images: torch.Tensor, generator: torch.Generator, moved: float = 0.5) -> torch.Tensor:
+    """A share of the NCHW batch moved by up to one pixel each way and rotated by up to 12°."""
+    count, _, height, width = images.shape
+    angle = (torch.rand(count, generator=generator) * 2 - 1) * torch.pi * 12 / 180
+    shift = (torch.rand(count, 2, generator=generator) * 2 - 1) * torch.tensor([2 / width, 2 / height])
+    keep = torch.rand(count, generator=generator) >= moved
+    angle[keep], shift[keep] = 0.0, 0.0
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    theta = torch.stack([torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1)
+    grid = nn.functional.affine_grid(theta, list(images.shape), align_corners=False)
+    return nn.functional.grid_sample(images, grid, align_corners=False, padding_mode="zeros")
 
 
 def evenly_spread(total: int, keep: int) -> list[int]:

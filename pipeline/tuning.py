@@ -11,26 +11,40 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, Field
 
-from pipeline.evaluate import drops, evaluate
+from pipeline.evaluate import SliceFigures, judge
 from pipeline.profile import ProfilePoint
 from pipeline.recipe import Budget
 from pipeline.variants import VariantInputs, VariantKind
 from serving.engine import EngineName
 
 logger = logging.getLogger(__name__)
-Predict = Callable[[Path, EngineName], np.ndarray]  # a graph's outputs on the evaluation split
+Outputs = dict[str, np.ndarray]  # evaluation slice → a graph's outputs on it
+Predict = Callable[[Path, EngineName], Outputs]
+HELD_OUT = "held-out"  # the slice the report's headline figures come from
 
 
-class Trial(BaseModel):
+class Judged(BaseModel):
+    """Figures per evaluation slice; `metrics` and `drops` are the held-out slice's."""
+
+    slices: dict[str, SliceFigures] = Field(default_factory=dict)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self.slices[HELD_OUT].metrics if self.slices else {}
+
+    @property
+    def drops(self) -> dict[str, float]:
+        return self.slices[HELD_OUT].drops if self.slices else {}
+
+
+class Trial(Judged):
     config: dict
-    metrics: dict[str, float] = Field(default_factory=dict)
-    drops: dict[str, float] = Field(default_factory=dict)
     failed: list[str] = Field(default_factory=list, description="budget lines this trial broke")
     error: str | None = None
     seconds: float = 0.0
 
 
-class Candidate(BaseModel):
+class Candidate(Judged):
     """One variant's outcome: what it is, how it measured, and whether it may be served."""
 
     variant: str
@@ -39,20 +53,25 @@ class Candidate(BaseModel):
     path: Path | None = None
     size_mb: float = 0.0
     config: dict = Field(default_factory=dict)
-    metrics: dict[str, float] = Field(default_factory=dict)
-    drops: dict[str, float] = Field(default_factory=dict)
     accepted: bool = False
     reason: str = ""
     trials: list[Trial] = Field(default_factory=list)
     profile: list[ProfilePoint] = Field(default_factory=list)
 
 
-def budget_failures(budget: Budget, measured_drops: dict[str, float]) -> list[str]:
+def budget_failures(budget: Budget, slices: dict[str, SliceFigures]) -> list[str]:
+    """Budget lines broken on any slice, judged by the drop's 95 % upper bound."""
     return [
-        f"{metric} drop {measured_drops[metric]:.4f} > budget.max_drop.{metric} {limit}"
+        f"{name}: {metric} drop {figures.drops[metric]:.4f} (95 % bound {figures.drop_bounds[metric]:.4f}) "
+        f"> budget.max_drop.{metric} {limit}"
+        for name, figures in slices.items()
         for metric, limit in budget.max_drop.items()
-        if metric in measured_drops and measured_drops[metric] > limit
+        if metric in figures.drop_bounds and figures.drop_bounds[metric] > limit
     ]
+
+
+def judge_slices(task: str, reference: Outputs, outputs: Outputs, labels: dict[str, np.ndarray | None]) -> dict:
+    return {name: judge(task, reference[name], outputs[name], labels[name]) for name in reference}
 
 
 def tune(
@@ -60,9 +79,8 @@ def tune(
     inputs: VariantInputs,
     *,
     predict: Predict,
-    reference: np.ndarray,
-    baseline: dict[str, float],
-    labels: np.ndarray | None,
+    reference: Outputs,
+    labels: dict[str, np.ndarray | None],
     budget: Budget,
 ) -> Candidate:
     candidate = Candidate(variant=kind.name, precision=kind.precision, engine=kind.engine)
@@ -75,14 +93,13 @@ def tune(
         try:
             kind.build(inputs, config, out)
             trial.config = config  # a kind may record what it chose inside its config while building
-            trial.metrics = evaluate(inputs.task, reference, predict(out, kind.engine), labels)
+            trial.slices = judge_slices(inputs.task, reference, predict(out, kind.engine), labels)
         except Exception as exc:  # a quantizer or runtime refusing a graph is a failed trial, not a crash
             logger.warning("%s %s failed: %s", kind.name, config, exc)
             trial.error = f"{type(exc).__name__}: {exc}"
         trial.seconds = time.monotonic() - started
         if trial.error is None:
-            trial.drops = drops(baseline, trial.metrics)
-            trial.failed = budget_failures(budget, trial.drops)
+            trial.failed = budget_failures(budget, trial.slices)
         candidate.trials.append(trial)
         if trial.error is None and not trial.failed:
             return candidate.model_copy(
@@ -90,8 +107,7 @@ def tune(
                     "path": out,
                     "size_mb": out.stat().st_size / 1e6,
                     "config": config,
-                    "metrics": trial.metrics,
-                    "drops": trial.drops,
+                    "slices": trial.slices,
                     "accepted": True,
                     "reason": f"fits the budget on trial {index + 1}",
                 }
@@ -100,8 +116,7 @@ def tune(
     reason = last.error or "; ".join(last.failed)
     return candidate.model_copy(
         update={
-            "metrics": last.metrics,
-            "drops": last.drops,
+            "slices": last.slices,
             "config": last.config,
             "reason": f"rejected after {len(candidate.trials)} trial(s): {reason}",
         }

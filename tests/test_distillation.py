@@ -38,7 +38,8 @@ def by_variant(result: BuildResult) -> dict:
 def test_teacher_is_trained_and_measured_on_held_out_digits(digits: BuildResult) -> None:
     teacher = by_variant(digits)["fp32"]
     assert teacher.metrics["accuracy"] > 0.9
-    assert len(digits_split("evaluation")) == 450
+    assert len(digits_split("held-out")) == 450
+    assert teacher.slices["perturbed"].size == 900 and teacher.slices["perturbed"].metrics["accuracy"] > 0.8
 
 
 def test_student_is_smaller_and_judged_on_accuracy(digits: BuildResult) -> None:
@@ -59,7 +60,7 @@ def test_student_int8_builds_on_the_accepted_student(digits: BuildResult) -> Non
 
 
 def test_digits_splits_are_disjoint() -> None:
-    train, test, calibration = (digits_split(p) for p in ("training", "evaluation", "calibration"))
+    train, test, calibration = (digits_split(p) for p in ("training", "held-out", "calibration"))
 
     def as_bytes(split) -> set[bytes]:
         return {row.tobytes() + bytes([label]) for row, label in zip(split.rows, split.labels, strict=True)}

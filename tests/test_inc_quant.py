@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from pipeline.datasets import Split
-from pipeline.evaluate import evaluate, run_batched
+from pipeline.evaluate import run_batched
 from pipeline.export import ImageClassifierGraph, ServingGraph, export_onnx, serving_graph
 from pipeline.recipe import Budget, ImagePreprocess, VariantName, load_recipe
 from pipeline.sources import load_source
@@ -81,18 +81,16 @@ def tiny_text(tmp_path_factory) -> tuple[VariantInputs, Split]:
 def tuned(tiny_text) -> Candidate:
     inputs, evaluation = tiny_text
 
-    def predict(path: Path) -> np.ndarray:
+    def predict(path: Path, engine_name: str = "onnxruntime") -> dict[str, np.ndarray]:
         engine = session(path)
-        return run_batched(lambda rows: engine.run(None, inputs.feeds(rows))[0], evaluation, batch_size=8)
+        return {"held-out": run_batched(lambda rows: engine.run(None, inputs.feeds(rows))[0], evaluation, batch_size=8)}
 
-    reference = predict(inputs.fp32)
     return tune(
         KINDS["inc-int8"],
         inputs,
         predict=predict,
-        reference=reference,
-        baseline=evaluate(inputs.task, reference, reference, None),
-        labels=None,
+        reference=predict(inputs.fp32),
+        labels={"held-out": None},
         budget=Budget(max_drop={"mean_cosine": 0.05}),
     )
 
@@ -159,10 +157,9 @@ def test_missing_graph_empty_calibration_and_unexportable_model_are_clear_errors
     candidate = tune(
         KINDS["inc-int8"],
         broken,
-        predict=lambda path: np.zeros((1, 4)),
-        reference=np.zeros((1, 4)),
-        baseline={"top1_agreement": 1.0},
-        labels=None,
+        predict=lambda path, engine_name: {"held-out": np.zeros((1, 4))},
+        reference={"held-out": np.zeros((1, 4))},
+        labels={"held-out": None},
         budget=Budget(max_drop={"top1_agreement": 0.01}),
     )
     assert not candidate.accepted and len(candidate.trials) == 2

@@ -1,0 +1,78 @@
+"""The gate's figures: drops with a one-sided 95 % upper confidence bound, so that a budget is
+only met when the evaluation data is large enough to show it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.evaluate import judge, wilson_upper
+from pipeline.recipe import Budget
+from pipeline.tuning import budget_failures
+
+
+def agreeing_probabilities(n: int, disagree: int) -> tuple[np.ndarray, np.ndarray]:
+    """A reference over 10 classes, and a candidate that differs from it on `disagree` rows."""
+    reference = np.tile(np.linspace(1.0, 0.1, 10), (n, 1))
+    candidate = reference.copy()
+    candidate[:disagree, [0, 1]] = candidate[:disagree, [1, 0]]
+    return reference, candidate
+
+
+def test_thirty_two_agreeing_images_cannot_show_a_one_percent_budget() -> None:
+    figures = judge("image-classification", *agreeing_probabilities(32, 0), None)
+    assert figures.drops["top1_agreement"] == 0.0
+    assert figures.drop_bounds["top1_agreement"] == pytest.approx(0.078, abs=0.001)
+    assert budget_failures(Budget(max_drop={"top1_agreement": 0.01}), {"held-out": figures})
+
+
+def test_a_thousand_images_can_and_the_bound_grows_with_each_disagreement() -> None:
+    budget = Budget(max_drop={"top1_agreement": 0.01})
+    agreeing = judge("image-classification", *agreeing_probabilities(1024, 0), None)
+    assert agreeing.drop_bounds["top1_agreement"] == pytest.approx(0.0026, abs=0.0001)
+    assert not budget_failures(budget, {"held-out": agreeing})
+    three = judge("image-classification", *agreeing_probabilities(1024, 3), None)
+    assert three.drops["top1_agreement"] == pytest.approx(3 / 1024)
+    assert 3 / 1024 < three.drop_bounds["top1_agreement"] < 0.01
+    eight = judge("image-classification", *agreeing_probabilities(1024, 8), None)
+    assert eight.drops["top1_agreement"] < 0.01 < eight.drop_bounds["top1_agreement"]
+    assert budget_failures(budget, {"held-out": three, "perturbed": eight}) == [
+        "perturbed: top1_agreement drop 0.0078 (95 % bound 0.0138) > budget.max_drop.top1_agreement 0.01"
+    ]
+
+
+def test_wilson_bound_is_sound_at_zero_and_tight_with_many() -> None:
+    assert wilson_upper(0, 100) == pytest.approx(0.0264, abs=0.0001)
+    assert wilson_upper(50, 100) == pytest.approx(0.582, abs=0.001)
+    assert wilson_upper(100, 100) == 1.0
+
+
+def test_accuracy_drop_counts_what_the_candidate_loses_less_what_it_gains() -> None:
+    labels = np.zeros(400, dtype=int)
+    reference = np.tile([0.9, 0.1], (400, 1))
+    reference[:10] = [0.1, 0.9]  # the reference is wrong on 10
+    candidate = reference.copy()
+    candidate[10:30] = [0.1, 0.9]  # the candidate loses 20 ...
+    candidate[:5] = [0.9, 0.1]  # ... and gets 5 of the reference's mistakes right
+    figures = judge("image-classification", reference, candidate, labels)
+    assert figures.metrics["accuracy"] == pytest.approx(375 / 400)
+    assert figures.drops["accuracy"] == pytest.approx(15 / 400)
+    assert figures.drop_bounds["accuracy"] == pytest.approx(wilson_upper(20, 400) - 5 / 400)
+
+
+def test_embedding_bounds_widen_with_the_spread_of_cosines_and_min_cosine_has_none() -> None:
+    rng = np.random.default_rng(0)
+    reference = rng.normal(size=(256, 16))
+    steady = reference + 0.05 * rng.normal(size=reference.shape)
+    uneven = reference + rng.uniform(0, 0.2, (256, 1)) * rng.normal(size=reference.shape)
+    a, b = (judge("text-embedding", reference, c, None) for c in (steady, uneven))
+    assert a.drop_bounds["mean_cosine"] - a.drops["mean_cosine"] < b.drop_bounds["mean_cosine"] - b.drops["mean_cosine"]
+    assert a.drop_bounds["min_cosine"] == a.drops["min_cosine"]
+
+
+def test_top5_overlap_moves_before_top1_does() -> None:
+    reference = np.tile(np.linspace(1.0, 0.1, 10), (64, 1))
+    shuffled = reference.copy()  # the fifth class swaps places with the last
+    shuffled[:, 4], shuffled[:, 9] = reference[:, 9], reference[:, 4]
+    figures = judge("image-classification", reference, shuffled, None)
+    assert figures.metrics["top1_agreement"] == 1.0 and figures.metrics["top5_overlap"] == pytest.approx(0.8)
