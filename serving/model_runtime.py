@@ -22,8 +22,8 @@ def read_spec(metadata: dict) -> ModelSpec:
     return ModelSpec.model_validate(metadata[SPEC_KEY])
 
 
-class ImageModelRuntime:
-    """uint8 NHWC batch in, class probabilities out."""
+class _EngineRuntime:
+    """A stored model's file opened on its engine, with its input spec."""
 
     def __init__(
         self,
@@ -36,6 +36,10 @@ class ImageModelRuntime:
     ) -> None:
         self.spec = spec
         self.engine = open_engine(engine, model_dir / onnx_file, settings)
+
+
+class ImageModelRuntime(_EngineRuntime):
+    """uint8 NHWC batch in, class probabilities out."""
 
     def predict(self, images: np.ndarray) -> np.ndarray:
         (input_name,) = self.engine.input_names
@@ -49,20 +53,8 @@ class ImageModelRuntime:
             logger.info("warm-up batch %d: %.1f ms", batch, 1000 * (time.monotonic() - started))
 
 
-class TextModelRuntime:
+class TextModelRuntime(_EngineRuntime):
     """Unpadded token ids in, one L2-normalized embedding per row out."""
-
-    def __init__(
-        self,
-        model_dir: Path,
-        spec: ModelSpec,
-        settings: EngineSettings,
-        *,
-        onnx_file: str = ONNX_FILE,
-        engine: str = "onnxruntime",
-    ) -> None:
-        self.spec = spec
-        self.engine = open_engine(engine, model_dir / onnx_file, settings)
 
     def predict(self, rows: list[list[int]]) -> np.ndarray:
         """Rows run in groups of similar length (serving/text.py, `length_groups`)."""
