@@ -1,8 +1,9 @@
 """Task metrics of a candidate against the FP32 reference, on held-out data, with the confidence
 the data allows.
 
-Every metric is "higher is better" and is 1.0 for the reference against itself (accuracy: the
-reference's own accuracy), so a budget is a maximum drop per metric. The gate decides on the
+Every metric but one is "higher is better" and is 1.0 for the reference against itself
+(accuracy: the reference's own accuracy), so a budget is a maximum drop per metric; the
+exception, `kl_divergence`, is 0 for the reference and its "drop" is its value. The gate decides on the
 drop's one-sided 95 % upper confidence bound, not on the point value: 32 images that all agree
 cannot show a 1 % budget holds (the bound is 7.8 %); 1 024 can (0.26 %).
 """
@@ -67,6 +68,12 @@ class _Figures:
         spread = float(scores.std(ddof=1)) if self.n > 1 else 0.0
         self.bounds[name] = self.drops[name] + Z_95 * spread / math.sqrt(self.n)
 
+    def divergence(self, name: str, scores: np.ndarray) -> None:
+        """A divergence per item, 0 for the reference: the mean is the drop, with its normal bound."""
+        self.metrics[name] = self.drops[name] = float(scores.mean())
+        spread = float(scores.std(ddof=1)) if self.n > 1 else 0.0
+        self.bounds[name] = self.drops[name] + Z_95 * spread / math.sqrt(self.n)
+
     def extreme(self, name: str, value: float) -> None:
         """A worst case (min cosine) has no interval: its bound is the value itself."""
         self.metrics[name], self.drops[name], self.bounds[name] = value, 1.0 - value, 1.0 - value
@@ -87,6 +94,9 @@ def classification_figures(reference: np.ndarray, candidate: np.ndarray, labels:
     # How much of the reference's top five the candidate keeps: moves before top-1 does.
     overlap = np.array([len(set(a) & set(b)) / 5 for a, b in zip(candidate_top5, reference_top5, strict=True)])
     figures.mean("top5_overlap", overlap)
+    # KL(reference ‖ candidate) in nats: how far the whole distribution moved, top-1 or not.
+    p, q = np.clip(reference, 1e-12, None), np.clip(candidate, 1e-12, None)
+    figures.divergence("kl_divergence", (p * np.log(p / q)).sum(-1))
     if labels is not None:
         figures.paired("accuracy", candidate.argmax(-1) == labels, reference_top1 == labels)
     return figures.result()

@@ -121,7 +121,7 @@ VariantName = Literal[
     "openvino-int8",
 ]
 METRICS = {
-    "image-classification": ("top1_agreement", "top5_agreement", "accuracy"),
+    "image-classification": ("top1_agreement", "top5_agreement", "top5_overlap", "kl_divergence", "accuracy"),
     "text-embedding": ("mean_cosine", "min_cosine", "knn10_agreement"),
 }
 

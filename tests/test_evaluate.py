@@ -76,3 +76,13 @@ def test_top5_overlap_moves_before_top1_does() -> None:
     shuffled[:, 4], shuffled[:, 9] = reference[:, 9], reference[:, 4]
     figures = judge("image-classification", reference, shuffled, None)
     assert figures.metrics["top1_agreement"] == 1.0 and figures.metrics["top5_overlap"] == pytest.approx(0.8)
+
+
+def test_kl_divergence_is_zero_for_the_reference_and_grows_as_probabilities_move() -> None:
+    reference = np.tile([0.7, 0.2, 0.1], (100, 1))
+    same = judge("image-classification", reference, reference, None)
+    moved = judge("image-classification", reference, np.tile([0.6, 0.3, 0.1], (100, 1)), None)
+    assert same.drops["kl_divergence"] == pytest.approx(0.0, abs=1e-9)
+    expected = 0.7 * np.log(0.7 / 0.6) + 0.2 * np.log(0.2 / 0.3)
+    assert moved.metrics["kl_divergence"] == moved.drops["kl_divergence"] == pytest.approx(expected)
+    assert moved.metrics["top1_agreement"] == 1.0, "the distribution moved, the answer did not"
