@@ -179,12 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     bulk_texts = [corpus[i % len(corpus)] for i in range(args.texts)]
     payloads, path = sample_payloads("text", {}, interactive_texts)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    record = run_record(args, manifest_path)  # before the run: the machine's load at its start
     log = args.out / f"logs-{stamp}" / "optiserve-bulk.log"
     with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
         url = server.url
         print(f"interactive {path} at concurrency {args.concurrency}, then a bulk task of {args.texts} texts …")
         run = uvloop.run(interactive_beside_bulk(url, post_requests(url + path, payloads), bulk_texts, args))
-    results = run_record(args, manifest_path) | summarize(run, args.texts)
+    results = record | summarize(run, args.texts)
     print_summary(results)
     out = args.out / f"bulk-{stamp}.json"
     write_record(results, out)

@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = load_manifest(manifest_path)
     files, texts = sample_photo_files(), sample_texts(SAMPLE_TEXTS)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    record = run_record(args, manifest_path)  # before the run: the machine's load at its start
     log = args.out / f"logs-{stamp}" / "optiserve-soak.log"
     with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
         url = server.url
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             f"soaking {', '.join(f'{p} at {r:.1f}/s' for p, (_, _, r) in endpoints.items())} for {args.duration_s:g} s"
         )
         run = uvloop.run(soak(endpoints, server.pid, args))
-    results = run_record(args, manifest_path) | summarize(run, endpoints, args.duration_s)
+    results = record | summarize(run, endpoints, args.duration_s)
     print_summary(results)
     out = args.out / f"soak-{stamp}.json"
     write_record(results, out)

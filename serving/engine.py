@@ -1,9 +1,11 @@
 """The engines a stored model can run on, behind one small interface (`Engine`).
 
 ONNX Runtime runs every variant, and the GPU ones through its TensorRT and CUDA providers;
-OpenVINO runs the CPU variants it is fastest for (on x86 CPUs it beats ONNX Runtime on the
-same ONNX file, and runs NNCF's INT8 graphs as int8 kernels). A model's engine is recorded
-at registration (`ENGINE_LABEL`), so the service opens each model as it was measured.
+OpenVINO runs the CPU variants made for it: the FP32 export as it is and NNCF's INT8 graphs,
+whose QDQ placement only OpenVINO turns into int8 kernels. Which is faster depends on the CPU
+(OpenVINO ran MiniLM 2.2 × ORT on an AVX512-VNNI host, 1.16 × on an AVX2-only one), so the
+pipeline times each variant on its own engine and records the engine with the model
+(`ENGINE_LABEL`); the service opens each model as it was measured.
 """
 
 from __future__ import annotations

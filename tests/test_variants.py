@@ -115,6 +115,44 @@ def test_openvino_int8_is_nncf_quantized_and_close_to_fp32(tiny_text: BuildResul
     assert ops.count("QuantizeLinear") >= 12, "every weighted MatMul of the two layers runs in int8"
 
 
+def test_openvino_int8_under_accuracy_control_reverts_layers_until_its_drop_is_met(
+    tiny_text: BuildResult, tmp_path: Path
+) -> None:
+    from pipeline.evaluate import row_cosines
+    from pipeline.samples import sample_texts
+    from serving.engine import EngineSettings, open_engine
+    from serving.text import TextTokenizer, pad_batch
+
+    fp32 = Path(bentoml.models.get(f"tiny-embedder:{_tag_of(tiny_text, 'fp32')}").path)
+    tokenizer = TextTokenizer(fp32 / "tokenizer.json", max_length=64)
+    rows = tokenizer.encode(sample_texts(48), truncate=True)
+    inputs = VariantInputs(
+        task="text-embedding",
+        fp32=fp32 / "model.onnx",
+        workdir=tmp_path,
+        calibration=Split(rows),
+        feeds=lambda batch: pad_batch(batch, tokenizer.pad_id),
+    )
+    kind = KINDS["openvino-int8"]
+    config = kind.configs(inputs)[-1]
+    assert config["accuracy_control"] and config["max_drop"] < 0.01
+    kind.build(inputs, config, tmp_path / "controlled.onnx")
+    kind.build(inputs, kind.configs(inputs)[0], tmp_path / "plain.onnx")
+
+    def embeddings(path: Path) -> np.ndarray:
+        engine = open_engine("openvino", path, EngineSettings(1))
+        return engine.run(inputs.feeds(rows))[engine.output_names[0]]
+
+    reference = embeddings(inputs.fp32)
+    controlled, plain = (
+        row_cosines(embeddings(tmp_path / f"{n}.onnx"), reference).mean() for n in ("controlled", "plain")
+    )
+    assert 1 - controlled <= config["max_drop"] + 1e-4, "on the data it was controlled on"
+    assert controlled > plain
+    ops = [node.op_type for node in onnx.load(tmp_path / "controlled.onnx").graph.node]
+    assert "QuantizeLinear" in ops, "layers that cost little stay in int8"
+
+
 def test_int8_static_records_every_trial_in_order(tiny_text: BuildResult) -> None:
     candidate = by_variant(tiny_text)["int8-static"]
     configs = [t.config["ops"] for t in candidate.trials]
