@@ -9,7 +9,7 @@ Texts are split by position in the `pydoc_data` corpus: every eighth sentence fo
 another eighth for calibration, a third eighth for profiling (real sentence lengths, unless the
 recipe names a file of real requests), the rest for distillation. Digits use a fixed stratified
 75/25 train/test split; calibration draws from train only; the perturbed slice is the held-out
-digits shifted by a pixel or slightly rotated.
+digits shifted by a pixel or slightly rotated, four copies of each.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from serving.model_spec import ImageInput
 CALIBRATION_PHOTOS = ("astronaut", "camera", "china")
 VIEWS_PER_PHOTO = {"calibration": 32, "held-out": 128, "perturbed": 128}
 PhotoSlice = Literal["calibration", "held-out", "perturbed"]
+PERTURBED_DIGIT_COPIES = 4  # 1 800 moved digits: a 1-point budget needs that many to be shown
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,10 @@ def digits_split(part: DigitsPart) -> Split:
         return Split(list(test_x), test_y)
     if part == "perturbed":
         rng = np.random.default_rng(0)
-        return Split([perturbed_digit(image, rng) for image in test_x for _ in range(2)], np.repeat(test_y, 2))
+        copies = PERTURBED_DIGIT_COPIES
+        return Split(
+            [perturbed_digit(image, rng) for image in test_x for _ in range(copies)], np.repeat(test_y, copies)
+        )
     if part == "calibration":
         return Split(list(train_x[:128]), train_y[:128])
     return Split(list(train_x), train_y)
