@@ -64,15 +64,17 @@ class _Figures:
     def mean(self, name: str, scores: np.ndarray) -> None:
         """A score in [0, 1] per item, 1 for the reference: the normal bound of the mean."""
         self.metrics[name] = float(scores.mean())
-        self.drops[name] = 1.0 - float(scores.mean())
-        spread = float(scores.std(ddof=1)) if self.n > 1 else 0.0
-        self.bounds[name] = self.drops[name] + Z_95 * spread / math.sqrt(self.n)
+        self._normal(name, 1.0 - self.metrics[name], scores)
 
     def divergence(self, name: str, scores: np.ndarray) -> None:
         """A divergence per item, 0 for the reference: the mean is the drop, with its normal bound."""
-        self.metrics[name] = self.drops[name] = float(scores.mean())
+        self.metrics[name] = float(scores.mean())
+        self._normal(name, self.metrics[name], scores)
+
+    def _normal(self, name: str, drop: float, scores: np.ndarray) -> None:
         spread = float(scores.std(ddof=1)) if self.n > 1 else 0.0
-        self.bounds[name] = self.drops[name] + Z_95 * spread / math.sqrt(self.n)
+        self.drops[name] = drop
+        self.bounds[name] = drop + Z_95 * spread / math.sqrt(self.n)
 
     def extreme(self, name: str, value: float) -> None:
         """A worst case (min cosine) has no interval: its bound is the value itself."""

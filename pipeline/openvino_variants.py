@@ -17,10 +17,9 @@ import numpy as np
 import onnx
 
 from pipeline.evaluate import row_cosines
-from pipeline.variants import VariantInputs, kind
+from pipeline.variants import CALIBRATION_BATCH, VariantInputs, kind, weighted_ends
 from serving.engine import EngineSettings, OpenVinoEngine
 
-CALIBRATION_BATCH = 8
 # Accuracy control stops reverting layers to float once the drop on its data is this small: a
 # fraction of a typical 1 % budget, since the gate then judges the bound on other inputs.
 ACCURACY_CONTROL_MAX_DROP = 0.003
@@ -50,11 +49,6 @@ def _int8_configs(inputs: VariantInputs) -> list[dict[str, Any]]:
     ]
 
 
-def _weighted_ends(model: onnx.ModelProto) -> list[str]:
-    weighted = [node.name for node in model.graph.node if node.op_type in ("Conv", "Gemm", "MatMul")]
-    return weighted[:1] + weighted[-1:]
-
-
 @kind("openvino-int8", "int8", _int8_configs, engine="openvino")
 def _openvino_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
     """NNCF post-training quantization (min-max calibration, fast bias correction) for OpenVINO."""
@@ -70,7 +64,7 @@ def _openvino_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
         "preset": nncf.QuantizationPreset(config["preset"]),
         "model_type": nncf.ModelType(config["model_type"]) if config["model_type"] else None,
         "subset_size": len(batches),
-        "ignored_scope": nncf.IgnoredScope(names=_weighted_ends(model)) if config["keep_ends_float"] else None,
+        "ignored_scope": nncf.IgnoredScope(names=weighted_ends(model)) if config["keep_ends_float"] else None,
     }
     if not config["accuracy_control"]:
         onnx.save(nncf.quantize(model, nncf.Dataset(batches), **options), str(out))

@@ -25,6 +25,7 @@ from serving.model_spec import Task
 Feeds = Callable[[list], dict]
 # Fused transformer graphs carry contrib ops that ONNX shape inference cannot type.
 QUANT_EXTRA = {"DefaultTensorType": onnx.TensorProto.FLOAT}
+CALIBRATION_BATCH = 8  # rows per calibration batch, for every quantizer
 
 
 @dataclass
@@ -132,7 +133,7 @@ def _static_configs(inputs: VariantInputs) -> list[dict]:
 class _Reader:
     """ORT's CalibrationDataReader protocol over a calibration split."""
 
-    def __init__(self, split: Split, feeds: Feeds, batch_size: int = 8) -> None:
+    def __init__(self, split: Split, feeds: Feeds, batch_size: int = CALIBRATION_BATCH) -> None:
         self._batches: Iterator[dict] = (
             feeds(split.rows[i : i + batch_size]) for i in range(0, len(split), batch_size)
         )
@@ -153,9 +154,14 @@ def _node_selection(base: Path, ops: str) -> dict:
     if ops == "weight-matmuls":
         return {"nodes_to_quantize": _weight_matmuls(model), "op_types_to_quantize": ["MatMul"]}
     if ops == "all-but-ends":
-        compute = [n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
-        keep_float += compute[:1] + compute[-1:]
+        keep_float += weighted_ends(model)
     return {"nodes_to_exclude": keep_float}
+
+
+def weighted_ends(model: onnx.ModelProto) -> list[str]:
+    """The first and last weighted layers: the ones quantization hurts most."""
+    weighted = [node.name for node in model.graph.node if node.op_type in ("Conv", "Gemm", "MatMul")]
+    return weighted[:1] + weighted[-1:]
 
 
 @kind("int8-static", "int8", _static_configs)
