@@ -20,7 +20,6 @@ import asyncio
 import sys
 import time
 from dataclasses import asdict
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -164,33 +163,25 @@ def write_plot(run: dict, results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from bench.serving import SAMPLE_TEXTS, prepare_store, run_record, sample_payloads, server_env, write_record
-
-    manifest_path = prepare_store(args)
     import uvloop
 
-    from bench.processes import OPTISERVE, on_free_port
+    from bench.serving import MODELS, Samples, served_run
     from loadtest.generator import post_requests
-    from pipeline.samples import corpus_sentences, sample_texts
+    from sample_inputs import corpus_sentences
 
-    interactive_texts = sample_texts(SAMPLE_TEXTS)
-    held_back = set(interactive_texts)
+    samples = Samples.load()
+    held_back = set(samples.texts)
     corpus = [t for t in corpus_sentences() if t not in held_back]
     bulk_texts = [corpus[i % len(corpus)] for i in range(args.texts)]
-    payloads, path = sample_payloads("text", {}, interactive_texts)
-    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    record = run_record(args, manifest_path)  # before the run: the machine's load at its start
-    log = args.out / f"logs-{stamp}" / "optiserve-bulk.log"
-    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
-        url = server.url
-        print(f"interactive {path} at concurrency {args.concurrency}, then a bulk task of {args.texts} texts …")
-        run = uvloop.run(interactive_beside_bulk(url, post_requests(url + path, payloads), bulk_texts, args))
-    results = record | summarize(run, args.texts)
+    text = MODELS["text"]
+    with served_run(args, "bulk") as served:
+        url = served.url
+        print(f"interactive {text.path} at concurrency {args.concurrency}, then a bulk task of {args.texts} texts …")
+        requests = post_requests(url + text.path, text.payloads(samples))
+        run = uvloop.run(interactive_beside_bulk(url, requests, bulk_texts, args))
+    results = served.record | summarize(run, args.texts)
     print_summary(results)
-    out = args.out / f"bulk-{stamp}.json"
-    write_record(results, out)
-    write_plot(run, results, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+    served.finish(results, lambda path: write_plot(run, results, path))
     return 0
 
 

@@ -114,3 +114,9 @@ def text_limit(stored: Any, texts: list[str], *, seconds: float, slo_ms: float) 
         return tokenizer.encode(batch, truncate=True)
 
     return _measure(prepare, runtime.predict, texts, seconds=seconds, slo_ms=slo_ms)
+
+
+def measure_limit(stored: Any, inputs: Sequence | dict, *, seconds: float, slo_ms: float) -> LimitResult:
+    """The limit of a stored model on its task's inputs: photos (name → bytes) or texts."""
+    measure = {"image-classification": image_limit, "text-embedding": text_limit}[read_spec(stored.info.metadata).task]
+    return measure(stored, inputs, seconds=seconds, slo_ms=slo_ms)

@@ -24,7 +24,6 @@ import asyncio
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -305,30 +304,19 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from bench.serving import SAMPLE_TEXTS, prepare_store, run_record, sample_payloads, server_env, write_record
+    from bench.serving import MODELS, Samples, model_names, served_run
 
-    manifest_path = prepare_store(args)
-    from bench.processes import OPTISERVE, on_free_port
-    from loadtest.inputs import sample_photo_files
-    from pipeline.samples import sample_texts
-    from serving.manifest import load_manifest
-
-    manifest = load_manifest(manifest_path)
-    files, texts = sample_photo_files(), sample_texts(SAMPLE_TEXTS)
-    results = run_record(args, manifest_path) | {"models": {}}
-    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    log = args.out / f"logs-{stamp}" / "optiserve-overload.log"
-    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
-        for model in [m.strip() for m in args.models.split(",") if m.strip()]:
-            route = manifest.classify if model == "image" else manifest.embed
-            payloads, path = sample_payloads(model, files, texts)
-            slo_ms = float(route.max_latency_ms)
-            results["models"][model] = measure_endpoint(server.url + path, payloads, slo_ms, server.pid, args)
+    samples = Samples.load()
+    with served_run(args, "overload") as run:
+        results = run.record | {"models": {}}
+        for name in model_names(args):
+            model = MODELS[name]
+            slo_ms = float(model.route(run.manifest).max_latency_ms)
+            results["models"][name] = measure_endpoint(
+                run.url + model.path, model.payloads(samples), slo_ms, run.pid, args
+            )
     print_summary(results)
-    path = args.out / f"overload-{stamp}.json"
-    write_record(results, path)
-    write_plot(results, args.out / f"overload-{stamp}.png")
-    print(f"wrote {path} and {path.with_suffix('.png')}", file=sys.stderr)
+    run.finish(results, lambda path: write_plot(results, path))
     return 0
 
 

@@ -28,9 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from importlib import metadata as package_metadata
 from pathlib import Path
@@ -80,11 +80,79 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def sample_payloads(model: str, files: dict[str, bytes], texts: list[str]) -> tuple[list, str]:
-    """The requests every optiserve bench sends: one photo per /classify, one text per /embed."""
-    from loadtest.inputs import image_payloads, text_payloads
+@dataclass(frozen=True)
+class Samples:
+    """What every bench sends: the sample photos and SAMPLE_TEXTS corpus sentences."""
 
-    return (image_payloads(files), "/classify") if model == "image" else (text_payloads(texts), "/embed")
+    files: dict[str, bytes]
+    texts: list[str]
+
+    @classmethod
+    def load(cls) -> Samples:
+        from loadtest.inputs import sample_photo_files
+        from sample_inputs import sample_texts
+
+        return cls(sample_photo_files(), sample_texts(SAMPLE_TEXTS))
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A served default model as the benches see it: its endpoint, its requests, its targets."""
+
+    endpoint: str  # the manifest's route and the URL path
+    limit_share: float  # the share of the in-process limit its knee must reach
+    baseline_gain: float | None  # its knee against the baseline server's, where a target names one
+    payloads: Callable[[Samples], list]  # one item per request
+    naive_payloads: Callable[[Samples], tuple[list, str]]  # the naive server's requests and path
+    limit_inputs: Callable[[Samples], Sequence]  # what bench/limit.py measures the limit on
+
+    @property
+    def path(self) -> str:
+        return f"/{self.endpoint}"
+
+    def route(self, manifest: Any) -> Any:
+        return getattr(manifest, self.endpoint)
+
+
+def _image_payloads(samples: Samples) -> list:
+    from loadtest.inputs import image_payloads
+
+    return image_payloads(samples.files)
+
+
+def _text_payloads(samples: Samples) -> list:
+    from loadtest.inputs import text_payloads
+
+    return text_payloads(samples.texts)
+
+
+# Images are bound by the engine; a short text costs the engine about as much as its HTTP exchange.
+MODELS = {
+    "image": BenchModel(
+        "classify",
+        0.9,
+        None,
+        _image_payloads,
+        lambda samples: (naive_pixel_payloads(samples.files, REPO / "models" / "image-classifier.yaml"), "/predict"),
+        lambda samples: samples.files,
+    ),
+    "text": BenchModel(
+        "embed",
+        0.6,
+        2.0,
+        _text_payloads,
+        lambda samples: (_text_payloads(samples), "/embed"),
+        lambda samples: samples.texts,
+    ),
+}
+
+
+def model_names(args: argparse.Namespace) -> list[str]:
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        raise SystemExit(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    return names
 
 
 def machine() -> dict[str, Any]:
@@ -146,6 +214,38 @@ def prepare_store(args: argparse.Namespace) -> Path:
     manifest = home / "serving-manifest.json"
     write_manifest(ServingManifest(**routes), manifest)
     return manifest
+
+
+@dataclass(frozen=True)
+class ServedRun:
+    """One bench's optiserve server with what its record needs."""
+
+    url: str
+    pid: int
+    manifest: Any  # serving.manifest.ServingManifest
+    record: dict[str, Any]  # run_record, taken before the run: the machine's load at its start
+    out: Path  # the run's JSON; its plot goes beside it
+
+    def finish(self, results: dict[str, Any], plot: Callable[[Path], None]) -> None:
+        write_record(results, self.out)
+        plot(self.out.with_suffix(".png"))
+        print(f"wrote {self.out} and {self.out.with_suffix('.png')}", file=sys.stderr)
+
+
+@contextmanager
+def served_run(args: argparse.Namespace, name: str) -> Iterator[ServedRun]:
+    """`bentoml serve` of the manifest's models (built first when no --manifest is given), its log
+    and its JSON named after the bench and the time."""
+    manifest_path = prepare_store(args)
+    from bench.processes import OPTISERVE, on_free_port
+    from serving.manifest import load_manifest
+
+    manifest = load_manifest(manifest_path)
+    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    record = run_record(args, manifest_path)
+    log = args.out / f"logs-{stamp}" / f"optiserve-{name}.log"
+    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
+        yield ServedRun(server.url, server.pid, manifest, record, args.out / f"{name}-{stamp}.json")
 
 
 def naive_pixel_payloads(files: dict[str, bytes], recipe_path: Path) -> list:
@@ -241,23 +341,17 @@ def served(sweep_json: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# The share of the in-process limit the service must reach at its knee, per model: images are
-# bound by the engine; a short text costs the engine about as much as its HTTP exchange.
-LIMIT_SHARE = {"image": 0.9, "text": 0.6}
-BASELINE_GAIN = {"text": 2.0}  # knee against the baseline server's, where a target names one
-
-
 def verdicts(model: str, figures: dict[str, Any], baseline: str | None) -> dict[str, Any]:
     """Each target with its measured ratio or margin and a pass flag."""
     limit, optiserve, naive = figures["limit"], figures["optiserve"], figures["naive"]
     out: dict[str, Any] = {}
     opt_qps = optiserve["knee_throughput"]
-    share = LIMIT_SHARE[model]
-    out["optiserve_vs_limit_throughput"] = _ratio(opt_qps, limit["throughput"], share)
+    targets = MODELS[model]
+    out["optiserve_vs_limit_throughput"] = _ratio(opt_qps, limit["throughput"], targets.limit_share)
     out["optiserve_vs_naive_throughput"] = _ratio(opt_qps, naive["knee_throughput"], 5.0)
-    if baseline is not None and model in BASELINE_GAIN:
+    if baseline is not None and targets.baseline_gain is not None:
         out[f"optiserve_vs_{baseline}_throughput"] = _ratio(
-            opt_qps, figures[baseline]["knee_throughput"], BASELINE_GAIN[model]
+            opt_qps, figures[baseline]["knee_throughput"], targets.baseline_gain
         )
     c1_p50, c1_p99 = optiserve["c1_p50_ms"], optiserve["c1_p99_ms"]
     out["c1_p99_vs_p50"] = _ratio(c1_p99, c1_p50, 2.0, at_most=True)
@@ -344,23 +438,20 @@ def git_checkout(ref: str) -> Iterator[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    models = model_names(args)
     started = time.monotonic()
     manifest_path = prepare_store(args)
 
     import bentoml
 
-    from bench.limit import image_limit, text_limit
+    from bench.limit import measure_limit
     from bench.processes import OPTISERVE, on_free_port
-    from loadtest.inputs import sample_photo_files, text_payloads
-    from pipeline.samples import sample_texts
     from serving.manifest import load_manifest
     from serving.settings import PLACEMENT_ENV
 
     manifest = load_manifest(manifest_path)
-    files, texts = sample_photo_files(), sample_texts(SAMPLE_TEXTS)
-    results: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"manifest": str(manifest_path)}}
-    results["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+    samples = Samples.load()
+    results: dict[str, Any] = run_record(args, manifest_path)
     results["models"] = {m: {} for m in models}
     results["servers"] = []
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
@@ -369,23 +460,19 @@ def main(argv: list[str] | None = None) -> int:
         print("wrk is not installed: the sweeps are not checked against it (apt-get install wrk)", file=sys.stderr)
 
     for model in models:
-        route = manifest.classify if model == "image" else manifest.embed
-        stored = bentoml.models.get(route.tag)
-        measure = image_limit if model == "image" else text_limit
-        inputs = files if model == "image" else texts
+        route = MODELS[model].route(manifest)
         print(f"measuring the {model} limit …", file=sys.stderr)
-        limit = measure(stored, inputs, seconds=args.limit_seconds, slo_ms=args.slo_ms)
+        inputs = MODELS[model].limit_inputs(samples)
+        limit = measure_limit(bentoml.models.get(route.tag), inputs, seconds=args.limit_seconds, slo_ms=args.slo_ms)
         results["models"][model]["limit"] = asdict(limit) | {"served_max_batch_size": route.max_batch_size}
 
-    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_path), "HF_HUB_OFFLINE": "1"}
+    env = server_env(manifest_path)
 
     def payloads_for(model: str) -> tuple[list, str]:
-        return sample_payloads(model, files, texts)
+        return MODELS[model].payloads(samples), MODELS[model].path
 
     def naive_payloads_for(model: str) -> tuple[list, str]:
-        if model == "image":
-            return naive_pixel_payloads(files, REPO / "models" / "image-classifier.yaml"), "/predict"
-        return text_payloads(texts), "/embed"
+        return MODELS[model].naive_payloads(samples)
 
     def measure_server(name: str, command: list[str], env: dict[str, str], cwd: Path, payloads_for) -> None:
         with on_free_port(command, env=env, cwd=cwd, log=logs / f"{name}.log") as server:
@@ -413,12 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in results["servers"]:
             figures[name] = served(figures[f"{name}_sweep"])
         figures["targets"] = verdicts(model, figures, baseline)
-    results["machine"]["load_average_at_end"] = os.getloadavg()
     results["seconds"] = round(time.monotonic() - started, 1)
     print_summary(results)
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"serving-{stamp}.json"
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_record(results, path)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -184,40 +183,28 @@ def write_plot(results: dict[str, Any], run: dict[str, Any], path: Path) -> None
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from bench.serving import SAMPLE_TEXTS, prepare_store, run_record, sample_payloads, server_env, write_record
+    from bench.serving import MODELS, Samples, served_run
 
-    manifest_path = prepare_store(args)
+    samples = Samples.load()
     import uvloop
 
-    from bench.processes import OPTISERVE, on_free_port
-    from loadtest.inputs import sample_photo_files
-    from pipeline.samples import sample_texts
-    from serving.manifest import load_manifest
-
-    manifest = load_manifest(manifest_path)
-    files, texts = sample_photo_files(), sample_texts(SAMPLE_TEXTS)
-    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    record = run_record(args, manifest_path)  # before the run: the machine's load at its start
-    log = args.out / f"logs-{stamp}" / "optiserve-soak.log"
-    with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
-        url = server.url
+    with served_run(args, "soak") as served:
         endpoints = {}
-        for model, route in (("image", manifest.classify), ("text", manifest.embed)):
-            payloads, path = sample_payloads(model, files, texts)
-            knee = knee_throughput(url + path, payloads, float(route.max_latency_ms))
-            endpoints[path] = (url + path, payloads, knee)
+        for model in MODELS.values():
+            payloads = model.payloads(samples)
+            knee = knee_throughput(
+                served.url + model.path, payloads, float(model.route(served.manifest).max_latency_ms)
+            )
+            endpoints[model.path] = (served.url + model.path, payloads, knee)
         # The endpoints share the machine: together they offer `load` of it, half each.
         endpoints = {path: (u, p, args.load * knee / len(endpoints)) for path, (u, p, knee) in endpoints.items()}
         print(
             f"soaking {', '.join(f'{p} at {r:.1f}/s' for p, (_, _, r) in endpoints.items())} for {args.duration_s:g} s"
         )
-        run = uvloop.run(soak(endpoints, server.pid, args))
-    results = record | summarize(run, endpoints, args.duration_s)
+        run = uvloop.run(soak(endpoints, served.pid, args))
+    results = served.record | summarize(run, endpoints, args.duration_s)
     print_summary(results)
-    out = args.out / f"soak-{stamp}.json"
-    write_record(results, out)
-    write_plot(results, run, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+    served.finish(results, lambda path: write_plot(results, run, path))
     return 0 if results["met"] else 1
 
 

@@ -88,14 +88,14 @@ def build_payloads(args: argparse.Namespace) -> tuple[list[Payload], dict[str, o
         kind = "text" if args.texts is not None or "embed" in path else "image"
     if kind == "text":
         texts = read_texts(args.texts) if args.texts else default_texts()
-        source = str(args.texts) if args.texts else "pipeline.samples.sample_texts()"
+        source = str(args.texts) if args.texts else "sample_inputs.sample_texts()"
         payloads = text_payloads(texts, per_request=args.items_per_request)
         return payloads, {"kind": "text", "source": source, "items": len(texts), "per_request": args.items_per_request}
     folder = args.images or write_sample_photos()
     field = args.multipart_field or ("images" if path.rstrip("/").endswith("_batch") else None)
     files = read_image_folder(folder)
     payloads = image_payloads(files, multipart_field=field, per_request=args.items_per_request)
-    source = str(args.images) if args.images else f"pipeline.samples.sample_photos() in {folder}"
+    source = str(args.images) if args.images else f"sample_inputs.sample_photos() in {folder}"
     return payloads, {
         "kind": "image",
         "source": source,

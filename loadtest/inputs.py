@@ -49,7 +49,7 @@ def read_image_folder(folder: Path) -> dict[str, bytes]:
 def sample_photo_files() -> dict[str, bytes]:
     """The project's default photos (scikit-image, scikit-learn) as file name → bytes."""
     try:
-        from pipeline.samples import sample_photos
+        from sample_inputs import sample_photos
     except ImportError as exc:
         raise InputError(
             f"default photos need scikit-image and scikit-learn ({exc}): pip install -e '.[pipeline]' or pass --images"
@@ -108,7 +108,7 @@ def read_texts(path: Path) -> list[str]:
 
 
 def default_texts() -> list[str]:
-    from pipeline.samples import sample_texts
+    from sample_inputs import sample_texts
 
     return sample_texts()
 

@@ -3,7 +3,6 @@ profiled → served variant selected → every accepted artifact in the model st
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,21 +13,20 @@ import numpy as np
 import onnx
 import torch
 
-from pipeline.datasets import Split, digits_split, photo_split, text_split
 from pipeline.evaluate import run_batched
-from pipeline.export import ServingGraph, export_onnx, serving_graph
-from pipeline.export_check import check_export, image_batches, text_batches
+from pipeline.export import ServingGraph, export_onnx
+from pipeline.export_check import check_export
 from pipeline.profile import Batching, ProfilePoint, Run, best_point, choose_batching, profile, runtime_runner, sampler
-from pipeline.recipe import REQUESTS_FIELD, LoadedRecipe, Recipe, request_texts
+from pipeline.recipe import LoadedRecipe, Recipe
 from pipeline.registry import RECIPE_HASH, find_selected, register
-from pipeline.sources import SourceModel, load_source
-from pipeline.tuning import HELD_OUT, Candidate, Predict, judge_slices, tune
+from pipeline.sources import load_source
+from pipeline.tasks import TASKS, PipelineTask, TaskData
+from pipeline.tuning import Candidate, Predict, judge_slices, tune
 from pipeline.variants import KINDS, VariantInputs
 from serving.engine import ENGINE_LABEL, EngineName, EngineSettings, available_providers, open_engine
 from serving.manifest import Route
 from serving.model_runtime import onnx_runtime
-from serving.model_spec import CLASS_NAMES_FILE, ONNX_FILE, SPEC_KEY, TOKENIZER_FILE, ImageInput, ModelSpec, TextInput
-from serving.text import TextTokenizer, pad_batch
+from serving.model_spec import ONNX_FILE, SPEC_KEY
 
 # Bump when export or registration changes what an unchanged recipe produces.
 EXPORT_REVISION = "3"
@@ -60,69 +58,6 @@ def recipe_hash(loaded: LoadedRecipe) -> str:
     return loaded.content_hash(extra=f"{EXPORT_REVISION}|torch={torch.__version__!s}|onnx={onnx.__version__}")
 
 
-@dataclass
-class TaskData:
-    """Everything task-specific the build needs, prepared once."""
-
-    spec: ModelSpec
-    files: dict[str, Path]
-    check_batches: list[dict[str, np.ndarray]]
-    feeds: Callable[[list], dict]
-    calibration: Split
-    evaluation: dict[str, Split]  # slice name → rows the gate judges every variant on
-    profiling: Split  # real rows that timed batches are drawn from
-    training: Split | None = None
-
-
-def image_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, workdir: Path) -> TaskData:
-    spec_in = ImageInput(size=recipe.image.size, resize=recipe.image.resize)
-    names = workdir / CLASS_NAMES_FILE
-    names.write_text(json.dumps(source.class_names))
-    if recipe.source.kind == "train-digits":
-        calibration, held_out, perturbed, training = (
-            digits_split(p) for p in ("calibration", HELD_OUT, "perturbed", "training")
-        )
-    else:
-        calibration, held_out, perturbed = (photo_split(spec_in, p) for p in ("calibration", HELD_OUT, "perturbed"))
-        training = None
-    return TaskData(
-        spec=ModelSpec(task=recipe.task, image=spec_in, input_names=graph.input_names, output_names=graph.output_names),
-        files={CLASS_NAMES_FILE: names},
-        check_batches=image_batches(recipe),
-        feeds=lambda rows: {graph.input_names[0]: np.stack(rows)},
-        calibration=calibration,
-        evaluation={HELD_OUT: held_out, "perturbed": perturbed},
-        profiling=held_out,  # decoded photos: an image's cost does not depend on what it shows
-        training=training,
-    )
-
-
-def text_task(recipe: Recipe, source: SourceModel, graph: ServingGraph, requests: Path | None) -> TaskData:
-    """`requests`: a file of real requests to profile on; without it, the corpus's profiling part."""
-    tokenizer_file = source.model_dir / TOKENIZER_FILE
-    config = source.module.config
-    spec = ModelSpec(
-        task=recipe.task,
-        text=TextInput(
-            max_length=recipe.text.max_length, pad_token_id=config.pad_token_id or 0, dimensions=config.hidden_size
-        ),
-        input_names=graph.input_names,
-        output_names=graph.output_names,
-    )
-    tokenizer = TextTokenizer(tokenizer_file, max_length=recipe.text.max_length)
-    encode = lambda texts: tokenizer.encode(texts, truncate=True)  # noqa: E731
-    return TaskData(
-        spec=spec,
-        files={TOKENIZER_FILE: tokenizer_file},
-        check_batches=text_batches(tokenizer_file, recipe.text.max_length),
-        feeds=lambda rows: pad_batch(rows, tokenizer.pad_id),
-        calibration=text_split(encode, "calibration"),
-        evaluation={HELD_OUT: text_split(encode, "evaluation")},
-        profiling=Split(encode(request_texts(requests))) if requests else text_split(encode, "profiling"),
-        training=text_split(encode, "training"),
-    )
-
-
 def _predictor(data: TaskData, settings: EngineSettings) -> Predict:
     def predict(path: Path, engine_name: EngineName) -> np.ndarray:
         engine = open_engine(engine_name, path, settings)
@@ -135,7 +70,7 @@ def _predictor(data: TaskData, settings: EngineSettings) -> Predict:
     return predict
 
 
-def _eager_runner(graph: ServingGraph, data: TaskData) -> Run:
+def _eager_runner(task: PipelineTask, graph: ServingGraph, data: TaskData) -> Run:
     """The same drawn rows, each batch padded to its longest text as a plain PyTorch server would."""
     draw = sampler(data.profiling.rows)
 
@@ -143,7 +78,7 @@ def _eager_runner(graph: ServingGraph, data: TaskData) -> Run:
         feeds = data.feeds(draw(batch))
         with torch.inference_mode():
             graph.module(*(torch.from_numpy(feeds[name]) for name in graph.input_names))
-        return feeds["input_ids"].size if data.spec.text else None
+        return feeds[graph.input_names[0]].size if task.runtime.batched_by_tokens else None
 
     return run
 
@@ -181,25 +116,22 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
     if not force and (reused := reuse(loaded.name, content_hash)) is not None:
         return reused
     recipe = loaded.recipe
+    task = TASKS[recipe.task]
     step("loading source model")
     source = load_source(loaded)
-    graph = serving_graph(recipe, source)
+    graph = task.serving_graph(recipe, source)
     settings = EngineSettings.from_environment()
     slo_ms = recipe.budget.p99_slo_ms if recipe.budget else 1000.0
     with tempfile.TemporaryDirectory(prefix="optiserve-") as scratch:
         workdir = Path(scratch)
         step("exporting to ONNX")
         fp32_path = export_onnx(graph, workdir / ONNX_FILE, opset=recipe.export.opset)
-        data = (
-            image_task(recipe, source, graph, workdir)
-            if recipe.task == "image-classification"
-            else text_task(recipe, source, graph, loaded.files.get(REQUESTS_FIELD))
-        )
+        data = task.prepare(loaded, source, graph, workdir)
         step("checking ONNX against PyTorch")
-        check = check_export(recipe, graph, fp32_path, data.check_batches)
+        check = check_export(task, recipe.export.tolerance, graph, fp32_path, data.check_batches)
         config = getattr(source.module, "config", None)
         inputs = VariantInputs(
-            task=recipe.task,
+            task=task,
             fp32=fp32_path,
             workdir=workdir,
             calibration=data.calibration,
@@ -213,7 +145,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
         )
         candidates = tune_variants(recipe, inputs, data, settings, step)
         step("profiling (interleaved): " + ", ".join(c.variant for c in candidates if c.accepted) + ", PyTorch eager")
-        eager = profile_candidates(candidates, graph, data, recipe, settings, slo_ms)
+        eager = profile_candidates(candidates, task, graph, data, recipe, settings, slo_ms)
         candidates = [_fp16_on_cpu_only(c, candidates[0]) for c in candidates]
         chosen = select(candidates, slo_ms)
         batching = choose_batching(
@@ -255,7 +187,7 @@ def tune_variants(
             precision="fp32",
             path=inputs.fp32,
             size_mb=inputs.fp32.stat().st_size / 1e6,
-            slices=judge_slices(recipe.task, reference, reference, labels),
+            slices=judge_slices(inputs.task, reference, reference, labels),
             accepted=True,
             reason="reference",
         )
@@ -278,6 +210,7 @@ def tune_variants(
 
 def profile_candidates(
     candidates: list[Candidate],
+    task: PipelineTask,
     graph: ServingGraph,
     data: TaskData,
     recipe: Recipe,
@@ -291,7 +224,7 @@ def profile_candidates(
         for c in candidates
         if c.accepted
     }
-    runners[EAGER] = _eager_runner(graph, data)
+    runners[EAGER] = _eager_runner(task, graph, data)
     profiles = profile(
         runners, recipe.profiling.max_batch_size, slo_ms=slo_ms, seconds_per_point=recipe.profiling.seconds_per_point
     )

@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
-from pipeline.samples import corpus_sentences, digit_images, sample_photos
+from sample_inputs import corpus_sentences, digit_images, sample_photos
 from serving.classify import ImageUpload, prepare_image
 from serving.images import decode_image
 from serving.model_spec import ImageInput

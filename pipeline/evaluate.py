@@ -17,7 +17,6 @@ import numpy as np
 from pydantic import BaseModel
 
 from pipeline.datasets import Split
-from serving.model_spec import Task
 
 Predict = Callable[[list], np.ndarray]
 Z_95 = 1.6449  # one-sided 95 %
@@ -130,9 +129,3 @@ def embedding_figures(reference: np.ndarray, candidate: np.ndarray) -> SliceFigu
     figures.extreme("min_cosine", float(cosine.min()))
     figures.mean("knn10_agreement", knn_overlap(reference, candidate))
     return figures.result()
-
-
-def judge(task: Task, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
-    if task == "image-classification":
-        return classification_figures(reference, candidate, labels)
-    return embedding_figures(reference, candidate)

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.recipe import ImagePreprocess, Recipe
-from pipeline.sources import SourceModel
+from pipeline.recipe import ImagePreprocess
 
 IMAGE_INPUT = "images"
 IMAGE_OUTPUT = "probabilities"
@@ -65,36 +64,13 @@ class ServingGraph:
     dynamic_axes: dict[str, dict[int, str]]
 
 
-def serving_graph(recipe: Recipe, source: SourceModel) -> ServingGraph:
-    if recipe.task == "image-classification":
-        size = recipe.image.size
-        return ServingGraph(
-            module=ImageClassifierGraph(source.module, recipe.image).eval(),
-            input_names=[IMAGE_INPUT],
-            output_names=[IMAGE_OUTPUT],
-            example_inputs=(torch.randint(0, 256, (2, size, size, 3), dtype=torch.uint8),),
-            dynamic_axes={IMAGE_INPUT: {0: "batch"}, IMAGE_OUTPUT: {0: "batch"}},
-        )
-    # Example with real padding: an all-ones mask lets the tracer drop masking from the graph.
-    input_ids = torch.randint(1000, 2000, (2, 16))
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[1, 9:] = 0
-    return ServingGraph(
-        module=SentenceEmbeddingGraph(source.module).eval(),
-        input_names=list(TEXT_INPUTS),
-        output_names=[TEXT_OUTPUT],
-        example_inputs=(input_ids, attention_mask),
-        dynamic_axes={
-            "input_ids": {0: "batch", 1: "sequence"},
-            "attention_mask": {0: "batch", 1: "sequence"},
-            TEXT_OUTPUT: {0: "batch"},
-        },
-    )
-
-
-def export_onnx(graph: ServingGraph, path: Path, *, opset: int) -> Path:
-    """TorchScript exporter: its graphs fuse well in ONNX Runtime's transformer optimizer."""
+def export_onnx(graph: ServingGraph, path: Path, *, opset: int, dynamic_shapes: tuple | None = None) -> Path:
+    """The TorchScript exporter: its graphs fuse well in ONNX Runtime's transformer optimizer. With
+    `dynamic_shapes` (torch.export's), the dynamo exporter, the only one that takes PT2E-quantized
+    modules (`pipeline.variants.neural_compressor`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    dynamo = dynamic_shapes is not None
+    axes = {"dynamic_shapes": dynamic_shapes} if dynamo else {"dynamic_axes": graph.dynamic_axes}
     with warnings.catch_warnings(), torch.inference_mode(False):
         # Tracer and constant-folding notices; the export check judges the result instead.
         warnings.simplefilter("ignore", category=UserWarning)
@@ -106,9 +82,11 @@ def export_onnx(graph: ServingGraph, path: Path, *, opset: int) -> Path:
             str(path),
             input_names=graph.input_names,
             output_names=graph.output_names,
-            dynamic_axes=graph.dynamic_axes,
             opset_version=opset,
-            dynamo=False,
+            dynamo=dynamo,
+            verbose=False,
+            **axes,
         )
-    graph.module.eval()  # the exporter restores the wrapper's mode onto every submodule
+    if not dynamo:
+        graph.module.eval()  # the TorchScript exporter restores the wrapper's mode onto every submodule
     return path

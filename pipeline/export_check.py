@@ -8,18 +8,22 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pipeline.evaluate import row_cosines
 from pipeline.export import ServingGraph
-from pipeline.recipe import Recipe
-from pipeline.samples import sample_photos, sample_texts
+from pipeline.recipe import ExportTolerance
+from sample_inputs import sample_photos, sample_texts
 from serving.classify import ImageUpload, prepare_image
 from serving.engine import EngineSettings, OnnxEngine
 from serving.model_spec import ImageInput
 from serving.text import TextTokenizer, pad_batch
+
+if TYPE_CHECKING:
+    from pipeline.tasks import PipelineTask
 
 
 class ExportCheckError(RuntimeError):
@@ -41,9 +45,8 @@ class ExportCheck:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def image_batches(recipe: Recipe) -> list[list[np.ndarray]]:
+def image_batches(spec: ImageInput) -> list[dict[str, np.ndarray]]:
     """Sample photos through the serving pre-processing, grouped as batches of 1, 3 and all."""
-    spec = ImageInput(size=recipe.image.size, resize=recipe.image.resize)
     pixels = [prepare_image(ImageUpload(data, None, name), spec) for name, data in sample_photos().items()]
     return [{"images": np.stack(group)} for group in (pixels[:1], pixels[1:4], pixels)]
 
@@ -69,7 +72,11 @@ def _signature_failures(engine: OnnxEngine, graph: ServingGraph) -> list[str]:
 
 
 def check_export(
-    recipe: Recipe, graph: ServingGraph, onnx_path: Path, batches: list[dict[str, np.ndarray]]
+    task: PipelineTask,
+    tolerance: ExportTolerance,
+    graph: ServingGraph,
+    onnx_path: Path,
+    batches: list[dict[str, np.ndarray]],
 ) -> ExportCheck:
     engine = OnnxEngine(onnx_path, EngineSettings.from_environment())
     failures = _signature_failures(engine, graph)
@@ -81,16 +88,14 @@ def check_export(
         candidates.append(engine.run(feeds)[graph.output_names[0]])
     reference, candidate = np.concatenate(references), np.concatenate(candidates)
     cosines = row_cosines(reference, candidate)
-    is_classifier = recipe.task == "image-classification"
     check = ExportCheck(
         samples=len(reference),
         batch_sizes=[len(r) for r in references],
         max_abs_diff=float(np.abs(reference - candidate).max()),
         min_cosine=float(cosines.min()),
         mean_cosine=float(cosines.mean()),
-        top1_agreement=float((reference.argmax(-1) == candidate.argmax(-1)).mean()) if is_classifier else None,
+        top1_agreement=task.top1_agreement(reference, candidate),
     )
-    tolerance = recipe.export.tolerance
     if check.max_abs_diff > tolerance.max_abs_diff:
         failures.append(
             f"max abs diff {check.max_abs_diff:.3g} > export.tolerance.max_abs_diff {tolerance.max_abs_diff}"

@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from serving.engine import EngineSettings, open_engine
-from serving.model_runtime import ModelRuntime, TextModelRuntime
+from serving.model_runtime import ModelRuntime
 from serving.text import padded_tokens
 
 # One call at a batch size, on rows the runner draws itself; returns the padded tokens it ran
@@ -118,20 +118,15 @@ def sampler(rows: Sequence, seed: int = 0) -> Draw:
 
 
 def runtime_runner(runtime: ModelRuntime, draw: Draw) -> Run:
-    """Calls through the serving runtime's `predict`, exactly as the service makes them per batch."""
-    if isinstance(runtime, TextModelRuntime):
+    """Calls through the serving runtime, exactly as the service makes them per batch; counts
+    padded tokens where they are the batch's cost."""
 
-        def run_texts(batch: int) -> int:
-            rows = draw(batch)
-            runtime.predict(rows)
-            return padded_tokens([len(row) for row in rows])
+    def run(batch: int) -> int | None:
+        rows = draw(batch)
+        runtime.predict_rows(rows)
+        return padded_tokens([len(row) for row in rows]) if runtime.batched_by_tokens else None
 
-        return run_texts
-
-    def run_images(batch: int) -> None:
-        runtime.predict(np.stack(draw(batch)))
-
-    return run_images
+    return run
 
 
 def engine_runner(path: Path, feeds_for: Callable[[int], dict], settings: EngineSettings, engine_name: str) -> Run:

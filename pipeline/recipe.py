@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from serving.artifacts import file_digest
 from serving.model_spec import Task
@@ -61,10 +61,8 @@ class HuggingFaceSource(Strict):
     path: str = Field(description="model directory: a path relative to the recipe, or package:<module>/<dir>")
 
 
-SOURCE_KINDS = frozenset({"efficientnet-lite", "torchvision", "huggingface", "train-digits"})
-Source = Annotated[
-    EfficientNetLiteSource | TorchvisionSource | HuggingFaceSource | TrainDigitsSource, Field(discriminator="kind")
-]
+# Tags of the discriminated unions: pydantic puts them in error locations, users never wrote them.
+UNION_TAGS = frozenset({"efficientnet-lite", "torchvision", "huggingface", "train-digits", *get_args(Task)})
 
 
 class ImagePreprocess(Strict):
@@ -120,10 +118,6 @@ VariantName = Literal[
     "openvino",
     "openvino-int8",
 ]
-METRICS = {
-    "image-classification": ("top1_agreement", "top5_agreement", "top5_overlap", "kl_divergence", "accuracy"),
-    "text-embedding": ("mean_cosine", "min_cosine", "knn10_agreement"),
-}
 
 
 class Budget(Strict):
@@ -159,17 +153,12 @@ class Profiling(Strict):
     )
 
 
-class Recipe(Strict):
+class _Recipe(Strict):
+    """What every task's recipe says; each task's recipe adds its own inputs and source kinds."""
+
+    metrics: ClassVar[tuple[str, ...]]  # what `budget.max_drop` may bound for this task
     name: str = Field(pattern=r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$", description="model store name")
-    task: Task
     description: str = ""
-    source: Source
-    labels: str | None = Field(
-        default=None,
-        description="classification: 'imagenet', a text file with one label per line, or omit for HF id2label",
-    )
-    image: ImagePreprocess | None = None
-    text: TextPreprocess | None = None
     export: Export
     variants: list[VariantName] = Field(default_factory=list, description="tried in this order, after FP32")
     budget: Budget | None = None
@@ -178,32 +167,64 @@ class Recipe(Strict):
     serving: Serving
 
     @model_validator(mode="after")
-    def _task_needs(self) -> Recipe:
-        needs = {"image-classification": ("image",), "text-embedding": ("text",)}[self.task]
-        if self.task == "image-classification" and self.labels is None and self.source.kind != "train-digits":
-            needs += ("labels",)
-        for field in needs:
-            if getattr(self, field) is None:
-                raise ValueError(f"task {self.task} needs the field {field!r}")
-        if self.task == "text-embedding" and self.source.kind != "huggingface":
-            raise ValueError("task text-embedding needs a source of kind 'huggingface'")
-        if self.task != "text-embedding":
-            for field, value in (
-                (REQUESTS_FIELD, self.profiling.requests),
-                ("serving.max_batch_tokens", self.serving.max_batch_tokens),
-            ):
-                if value is not None:
-                    raise ValueError(f"{field}: text tasks only (images are batched by rows)")
+    def _budget_fits(self) -> _Recipe:
         if self.variants and self.budget is None:
             raise ValueError("variants need a budget: every variant is judged against it")
-        if self.budget is not None:
-            known = METRICS[self.task]
-            for metric in self.budget.max_drop:
-                if metric not in known:
-                    raise ValueError(
-                        f"budget.max_drop.{metric}: not a metric of {self.task} (known: {', '.join(known)})"
-                    )
+        for metric in self.budget.max_drop if self.budget else ():
+            if metric not in self.metrics:
+                raise ValueError(
+                    f"budget.max_drop.{metric}: not a metric of {self.task} (known: {', '.join(self.metrics)})"
+                )
         return self
+
+    def file_fields(self) -> dict[str, str]:
+        """Recipe field → the file reference it holds, for the loader to resolve and hash."""
+        fields = {}
+        if isinstance(self.source, HuggingFaceSource):
+            fields["source.path"] = self.source.path
+        elif not isinstance(self.source, TrainDigitsSource):
+            fields["source.weights"] = self.source.weights
+        if self.profiling.requests:
+            fields[REQUESTS_FIELD] = self.profiling.requests
+        return fields
+
+
+class ImageClassificationRecipe(_Recipe):
+    metrics = ("top1_agreement", "top5_agreement", "top5_overlap", "kl_divergence", "accuracy")
+    task: Literal["image-classification"]
+    source: Annotated[EfficientNetLiteSource | TorchvisionSource | TrainDigitsSource, Field(discriminator="kind")]
+    labels: str | None = Field(
+        default=None, description="'imagenet', or a text file with one label per line; train-digits: omit"
+    )
+    image: ImagePreprocess
+
+    @model_validator(mode="after")
+    def _images_need(self) -> ImageClassificationRecipe:
+        if self.labels is None and self.source.kind != "train-digits":
+            raise ValueError(f"task {self.task} needs the field 'labels'")
+        for field, value in (
+            (REQUESTS_FIELD, self.profiling.requests),
+            ("serving.max_batch_tokens", self.serving.max_batch_tokens),
+        ):
+            if value is not None:
+                raise ValueError(f"{field}: text tasks only (images are batched by rows)")
+        return self
+
+    def file_fields(self) -> dict[str, str]:
+        labels = {"labels": self.labels} if self.labels and self.labels != "imagenet" else {}
+        return super().file_fields() | labels
+
+
+class TextEmbeddingRecipe(_Recipe):
+    metrics = ("mean_cosine", "min_cosine", "knn10_agreement")
+    task: Literal["text-embedding"]
+    source: Annotated[HuggingFaceSource, Field(discriminator="kind")]
+    text: TextPreprocess
+
+
+# One recipe class per task (`pipeline/tasks/` registers the behaviour under the same name).
+Recipe = Annotated[ImageClassificationRecipe | TextEmbeddingRecipe, Field(discriminator="task")]
+RECIPE_ADAPTER: TypeAdapter[Recipe] = TypeAdapter(Recipe)
 
 
 def resolve_path(reference: str, recipe_dir: Path) -> Path:
@@ -240,20 +261,6 @@ class LoadedRecipe(BaseModel):
         return digest.hexdigest()[:16]
 
 
-def _file_fields(recipe: Recipe) -> dict[str, str]:
-    fields = {}
-    source = recipe.source
-    if isinstance(source, HuggingFaceSource):
-        fields["source.path"] = source.path
-    elif not isinstance(source, TrainDigitsSource):
-        fields["source.weights"] = source.weights
-    if recipe.labels and recipe.labels != "imagenet":
-        fields["labels"] = recipe.labels
-    if recipe.profiling.requests:
-        fields[REQUESTS_FIELD] = recipe.profiling.requests
-    return fields
-
-
 def request_texts(path: Path) -> list[str]:
     """The texts of a requests file, one per line; blank lines are no requests."""
     return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -262,8 +269,7 @@ def request_texts(path: Path) -> list[str]:
 def _format_error(path: Path, exc: ValidationError) -> str:
     lines = []
     for error in exc.errors():
-        # A discriminated union adds the tag ("torchvision") to the location; users never wrote it.
-        location = ".".join(str(p) for p in error["loc"] if p not in SOURCE_KINDS)
+        location = ".".join(str(p) for p in error["loc"] if p not in UNION_TAGS)
         message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
         lines.append(f"{path}: {location}: {message}" if location else f"{path}: {message}")
     return "\n".join(lines)
@@ -290,11 +296,11 @@ def load_recipe(path: Path) -> LoadedRecipe:
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping of fields")
     try:
-        recipe = Recipe.model_validate(raw)
+        recipe = RECIPE_ADAPTER.validate_python(raw)
     except ValidationError as exc:
         raise RecipeError(_format_error(path, exc)) from None
     files = {}
-    for field, reference in _file_fields(recipe).items():
+    for field, reference in recipe.file_fields().items():
         try:
             resolved = resolve_path(reference, path.parent)
         except FileNotFoundError as exc:

@@ -43,12 +43,11 @@ def loader(kind: type) -> Callable[[Loader], Loader]:
 def load_source(loaded: LoadedRecipe) -> SourceModel:
     source = LOADERS[type(loaded.recipe.source)](loaded)
     source.module.eval()
-    if loaded.recipe.task == "image-classification" and source.class_names is None:
-        source.class_names = load_class_names(loaded, getattr(loaded.recipe.source, "num_classes", None))
     return source
 
 
 def load_class_names(loaded: LoadedRecipe, num_classes: int | None) -> list[str]:
+    """A classifier recipe's labels: ImageNet's, or its labels file, one per line."""
     if loaded.recipe.labels == "imagenet":
         from torchvision.models._meta import _IMAGENET_CATEGORIES
 

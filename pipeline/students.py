@@ -88,6 +88,24 @@ def _fit(
     return model.eval()
 
 
+ClassifierLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, labels, index)
+
+
+def _fit_classifier(
+    model: nn.Module,
+    normalize: Callable[[torch.Tensor], torch.Tensor],
+    images: np.ndarray,
+    labels: np.ndarray,
+    loss: ClassifierLoss,
+    *,
+    epochs: int,
+    seed: int,
+) -> nn.Module:
+    """uint8 NHWC images through the same normalization as the graph, then `_fit` on `loss`."""
+    inputs, targets = normalize(torch.from_numpy(images)), torch.from_numpy(labels).long()
+    return _fit(model, len(inputs), lambda index: loss(inputs, targets, index), epochs=epochs, seed=seed)
+
+
 def train_classifier(
     model: nn.Module,
     normalize: Callable[[torch.Tensor], torch.Tensor],
@@ -97,15 +115,12 @@ def train_classifier(
     epochs: int,
     seed: int = 0,
 ) -> nn.Module:
-    """Supervised training on uint8 NHWC images, through the same normalization as the graph."""
-    inputs, targets = normalize(torch.from_numpy(images)), torch.from_numpy(labels).long()
-    return _fit(
-        model,
-        len(inputs),
-        lambda index: nn.functional.cross_entropy(model(inputs[index]), targets[index]),
-        epochs=epochs,
-        seed=seed,
-    )
+    """Supervised training: cross-entropy on the labels."""
+
+    def loss(inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(inputs[index]), targets[index])
+
+    return _fit_classifier(model, normalize, images, labels, loss, epochs=epochs, seed=seed)
 
 
 def distill_classifier(
@@ -124,11 +139,10 @@ def distill_classifier(
     randomly moved copies of the images (`jitter`) with the teacher's answers on those copies: a
     small student trained on the clean images alone learns their pixels, and lost 7 points of
     accuracy on digits shifted by one pixel while the teacher lost 0.2."""
-    inputs, targets = normalize(torch.from_numpy(images)), torch.from_numpy(labels).long()
     teacher.eval()
     generator = torch.Generator().manual_seed(seed)
 
-    def loss_of(index: torch.Tensor) -> torch.Tensor:
+    def loss(inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         batch = jitter(inputs[index], generator)
         with torch.no_grad():
             soft_targets = torch.softmax(teacher(batch) / temperature, dim=-1)
@@ -138,7 +152,7 @@ def distill_classifier(
         )
         return alpha * temperature**2 * soft + (1 - alpha) * nn.functional.cross_entropy(logits, targets[index])
 
-    return _fit(student, len(inputs), loss_of, epochs=epochs, seed=seed)
+    return _fit_classifier(student, normalize, images, labels, loss, epochs=epochs, seed=seed)
 
 
 def jitter(images: torch.Tensor, generator: torch.Generator, moved: float = 0.5) -> torch.Tensor:

@@ -7,15 +7,19 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import BaseModel, Field
 
-from pipeline.evaluate import SliceFigures, judge
+from pipeline.evaluate import SliceFigures
 from pipeline.profile import ProfilePoint
 from pipeline.recipe import Budget
-from pipeline.variants import VariantInputs, VariantKind
+from pipeline.variants.base import VariantInputs, VariantKind
 from serving.engine import EngineName
+
+if TYPE_CHECKING:
+    from pipeline.tasks import PipelineTask
 
 logger = logging.getLogger(__name__)
 Outputs = dict[str, np.ndarray]  # evaluation slice → a graph's outputs on it
@@ -70,8 +74,10 @@ def budget_failures(budget: Budget, slices: dict[str, SliceFigures]) -> list[str
     ]
 
 
-def judge_slices(task: str, reference: Outputs, outputs: Outputs, labels: dict[str, np.ndarray | None]) -> dict:
-    return {name: judge(task, reference[name], outputs[name], labels[name]) for name in reference}
+def judge_slices(
+    task: PipelineTask, reference: Outputs, outputs: Outputs, labels: dict[str, np.ndarray | None]
+) -> dict[str, SliceFigures]:
+    return {name: task.judge(reference[name], outputs[name], labels[name]) for name in reference}
 
 
 def tune(

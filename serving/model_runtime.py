@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from serving.artifacts import check_artifacts
 from serving.cpu import describe_cpu
 from serving.engine import ENGINE_LABEL, EngineSettings, open_engine
-from serving.model_spec import ONNX_FILE, SPEC_KEY, ModelSpec
+from serving.model_spec import ONNX_FILE, SPEC_KEY, ModelSpec, Task
 from serving.text import length_groups, pad_batch
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,8 @@ def read_spec(metadata: dict) -> ModelSpec:
 
 class _EngineRuntime:
     """A stored model's file opened on its engine, with its input spec."""
+
+    batched_by_tokens: ClassVar[bool] = False  # whether a batch's cost is its padded tokens, not its rows
 
     def __init__(
         self,
@@ -45,6 +47,9 @@ class ImageModelRuntime(_EngineRuntime):
         (input_name,) = self.engine.input_names
         return self.engine.run({input_name: images})[self.engine.output_names[0]]
 
+    def predict_rows(self, rows: list[np.ndarray]) -> np.ndarray:
+        return self.predict(np.stack(rows))
+
     def warm_up(self, max_batch_size: int) -> None:
         size = self.spec.image.size
         for batch in sorted({1, max_batch_size}):
@@ -56,6 +61,8 @@ class ImageModelRuntime(_EngineRuntime):
 class TextModelRuntime(_EngineRuntime):
     """Unpadded token ids in, one L2-normalized embedding per row out."""
 
+    batched_by_tokens = True
+
     def predict(self, rows: list[list[int]]) -> np.ndarray:
         """Rows run in groups of similar length (serving/text.py, `length_groups`)."""
         groups = length_groups([len(row) for row in rows])
@@ -66,6 +73,8 @@ class TextModelRuntime(_EngineRuntime):
         for group, values in zip(groups, embeddings, strict=True):
             merged[group] = values
         return merged
+
+    predict_rows = predict
 
     def _run(self, rows: list[list[int]]) -> np.ndarray:
         feeds = pad_batch(rows, self.spec.text.pad_token_id)
@@ -79,14 +88,16 @@ class TextModelRuntime(_EngineRuntime):
 
 
 ModelRuntime = ImageModelRuntime | TextModelRuntime
-RUNTIME_FOR_ENDPOINT: dict[str, type[ModelRuntime]] = {"classify": ImageModelRuntime, "embed": TextModelRuntime}
+RUNTIMES: dict[Task, type[ModelRuntime]] = {
+    "image-classification": ImageModelRuntime,
+    "text-embedding": TextModelRuntime,
+}
 
 
 def onnx_runtime(path: Path, spec: ModelSpec, settings: EngineSettings, engine: str = "onnxruntime") -> ModelRuntime:
     """A runtime over any ONNX file: the pipeline times its candidates through the serving code
     before they are stored."""
-    runtime = TextModelRuntime if spec.text is not None else ImageModelRuntime
-    return runtime(path.parent, spec, settings, onnx_file=path.name, engine=engine)
+    return RUNTIMES[spec.task](path.parent, spec, settings, onnx_file=path.name, engine=engine)
 
 
 def engine_of(stored: Any) -> str:
@@ -100,11 +111,7 @@ def load_runtime(endpoint: str, stored: Any, *, max_batch_size: int, settings: E
     sha256 first, warmed up at the batch sizes it will see."""
     check_artifacts(stored)
     logger.info("%s: %s runs on %s (%s)", endpoint, stored.tag, engine_of(stored), describe_cpu())
-    runtime = RUNTIME_FOR_ENDPOINT[endpoint](
-        Path(stored.path),
-        read_spec(stored.info.metadata),
-        settings,
-        engine=engine_of(stored),
-    )
+    spec = read_spec(stored.info.metadata)
+    runtime = RUNTIMES[spec.task](Path(stored.path), spec, settings, engine=engine_of(stored))
     runtime.warm_up(max_batch_size)
     return runtime

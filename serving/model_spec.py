@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 Task = Literal["image-classification", "text-embedding"]
+TASK_INPUT: dict[Task, str] = {"image-classification": "image", "text-embedding": "text"}  # the spec field it needs
 
 ONNX_FILE = "model.onnx"
 CLASS_NAMES_FILE = "class_names.json"
@@ -43,7 +44,7 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _has_its_task_input(self) -> ModelSpec:
-        needed = "image" if self.task == "image-classification" else "text"
+        needed = TASK_INPUT[self.task]
         if getattr(self, needed) is None:
             raise ValueError(f"a {self.task} model's spec needs its {needed!r} input")
         return self

@@ -14,7 +14,7 @@ from bench.serving import wrk_check
 from bench.variants import main
 from bench.wrk import run_wrk, wrk_installed
 from loadtest.sweep import SweepSettings, run_sweep
-from pipeline.samples import sample_texts
+from sample_inputs import sample_texts
 
 needs_wrk = pytest.mark.skipif(not wrk_installed(), reason="wrk is not installed (apt-get install wrk)")
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from bentoml.exceptions import BentoMLException
 
-from pipeline.samples import corpus_sentences, sample_photos, sample_texts
+from sample_inputs import corpus_sentences, sample_photos, sample_texts
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ import yaml
 from podman_setup import LOCAL_BASE_IMAGE, RUN_FLAGS
 
 from bench.processes import free_port
-from pipeline.samples import sample_photos
+from sample_inputs import sample_photos
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.datasets import CALIBRATION_PHOTOS, digits_split, photo_split
-from pipeline.samples import sample_photos
+from sample_inputs import sample_photos
 from serving.model_spec import ImageInput
 
 SPEC = ImageInput(size=64, resize=72)

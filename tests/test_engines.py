@@ -14,7 +14,7 @@ from conftest import REPO, own_home, quick, serving
 from pipeline.build import BuildResult, build
 from pipeline.datasets import photo_split
 from pipeline.recipe import load_recipe
-from pipeline.samples import sample_photos
+from sample_inputs import sample_photos
 from serving.engine import EngineSettings, open_engine
 from serving.manifest import ServingManifest, read_manifest, write_manifest
 from serving.model_runtime import engine_of, read_spec

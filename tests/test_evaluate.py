@@ -6,9 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.evaluate import judge, wilson_upper
+from pipeline.evaluate import wilson_upper
 from pipeline.recipe import Budget
+from pipeline.tasks import TASKS
 from pipeline.tuning import budget_failures
+
+IMAGES, TEXT = TASKS["image-classification"], TASKS["text-embedding"]
 
 
 def agreeing_probabilities(n: int, disagree: int) -> tuple[np.ndarray, np.ndarray]:
@@ -20,7 +23,7 @@ def agreeing_probabilities(n: int, disagree: int) -> tuple[np.ndarray, np.ndarra
 
 
 def test_thirty_two_agreeing_images_cannot_show_a_one_percent_budget() -> None:
-    figures = judge("image-classification", *agreeing_probabilities(32, 0), None)
+    figures = IMAGES.judge(*agreeing_probabilities(32, 0), None)
     assert figures.drops["top1_agreement"] == 0.0
     assert figures.drop_bounds["top1_agreement"] == pytest.approx(0.078, abs=0.001)
     assert budget_failures(Budget(max_drop={"top1_agreement": 0.01}), {"held-out": figures})
@@ -28,13 +31,13 @@ def test_thirty_two_agreeing_images_cannot_show_a_one_percent_budget() -> None:
 
 def test_a_thousand_images_can_and_the_bound_grows_with_each_disagreement() -> None:
     budget = Budget(max_drop={"top1_agreement": 0.01})
-    agreeing = judge("image-classification", *agreeing_probabilities(1024, 0), None)
+    agreeing = IMAGES.judge(*agreeing_probabilities(1024, 0), None)
     assert agreeing.drop_bounds["top1_agreement"] == pytest.approx(0.0026, abs=0.0001)
     assert not budget_failures(budget, {"held-out": agreeing})
-    three = judge("image-classification", *agreeing_probabilities(1024, 3), None)
+    three = IMAGES.judge(*agreeing_probabilities(1024, 3), None)
     assert three.drops["top1_agreement"] == pytest.approx(3 / 1024)
     assert 3 / 1024 < three.drop_bounds["top1_agreement"] < 0.01
-    eight = judge("image-classification", *agreeing_probabilities(1024, 8), None)
+    eight = IMAGES.judge(*agreeing_probabilities(1024, 8), None)
     assert eight.drops["top1_agreement"] < 0.01 < eight.drop_bounds["top1_agreement"]
     assert budget_failures(budget, {"held-out": three, "perturbed": eight}) == [
         "perturbed: top1_agreement drop 0.0078 (95 % bound 0.0138) > budget.max_drop.top1_agreement 0.01"
@@ -54,7 +57,7 @@ def test_accuracy_drop_counts_what_the_candidate_loses_less_what_it_gains() -> N
     candidate = reference.copy()
     candidate[10:30] = [0.1, 0.9]  # the candidate loses 20 ...
     candidate[:5] = [0.9, 0.1]  # ... and gets 5 of the reference's mistakes right
-    figures = judge("image-classification", reference, candidate, labels)
+    figures = IMAGES.judge(reference, candidate, labels)
     assert figures.metrics["accuracy"] == pytest.approx(375 / 400)
     assert figures.drops["accuracy"] == pytest.approx(15 / 400)
     assert figures.drop_bounds["accuracy"] == pytest.approx(wilson_upper(20, 400) - 5 / 400)
@@ -65,7 +68,7 @@ def test_embedding_bounds_widen_with_the_spread_of_cosines_and_min_cosine_has_no
     reference = rng.normal(size=(256, 16))
     steady = reference + 0.05 * rng.normal(size=reference.shape)
     uneven = reference + rng.uniform(0, 0.2, (256, 1)) * rng.normal(size=reference.shape)
-    a, b = (judge("text-embedding", reference, c, None) for c in (steady, uneven))
+    a, b = (TEXT.judge(reference, c, None) for c in (steady, uneven))
     assert a.drop_bounds["mean_cosine"] - a.drops["mean_cosine"] < b.drop_bounds["mean_cosine"] - b.drops["mean_cosine"]
     assert a.drop_bounds["min_cosine"] == a.drops["min_cosine"]
 
@@ -74,14 +77,14 @@ def test_top5_overlap_moves_before_top1_does() -> None:
     reference = np.tile(np.linspace(1.0, 0.1, 10), (64, 1))
     shuffled = reference.copy()  # the fifth class swaps places with the last
     shuffled[:, 4], shuffled[:, 9] = reference[:, 9], reference[:, 4]
-    figures = judge("image-classification", reference, shuffled, None)
+    figures = IMAGES.judge(reference, shuffled, None)
     assert figures.metrics["top1_agreement"] == 1.0 and figures.metrics["top5_overlap"] == pytest.approx(0.8)
 
 
 def test_kl_divergence_is_zero_for_the_reference_and_grows_as_probabilities_move() -> None:
     reference = np.tile([0.7, 0.2, 0.1], (100, 1))
-    same = judge("image-classification", reference, reference, None)
-    moved = judge("image-classification", reference, np.tile([0.6, 0.3, 0.1], (100, 1)), None)
+    same = IMAGES.judge(reference, reference, None)
+    moved = IMAGES.judge(reference, np.tile([0.6, 0.3, 0.1], (100, 1)), None)
     assert same.drops["kl_divergence"] == pytest.approx(0.0, abs=1e-9)
     expected = 0.7 * np.log(0.7 / 0.6) + 0.2 * np.log(0.2 / 0.3)
     assert moved.metrics["kl_divergence"] == moved.drops["kl_divergence"] == pytest.approx(expected)

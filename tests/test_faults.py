@@ -14,7 +14,7 @@ import psutil
 import pytest
 from conftest import own_home, serving
 
-from pipeline.samples import sample_photos
+from sample_inputs import sample_photos
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import BODY_TIMEOUT_S
 from PIL import Image
 
-from pipeline.samples import encode, sample_photos
+from sample_inputs import encode, sample_photos
 
 pytestmark = pytest.mark.slow
 

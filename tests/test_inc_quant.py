@@ -17,9 +17,10 @@ import yaml
 
 from pipeline.datasets import Split
 from pipeline.evaluate import run_batched
-from pipeline.export import ImageClassifierGraph, ServingGraph, export_onnx, serving_graph
+from pipeline.export import ImageClassifierGraph, ServingGraph, export_onnx
 from pipeline.recipe import Budget, ImagePreprocess, VariantName, load_recipe
 from pipeline.sources import load_source
+from pipeline.tasks import TASKS
 from pipeline.tuning import Candidate, tune
 from pipeline.variants import KINDS, VariantInputs
 from serving.text import TextTokenizer, pad_batch
@@ -63,10 +64,10 @@ def tiny_text(tmp_path_factory) -> tuple[VariantInputs, Split]:
     (root / "tiny-inc.yaml").write_text(yaml.safe_dump(recipe))
     loaded = load_recipe(root / "tiny-inc.yaml")
     source = load_source(loaded)
-    graph = serving_graph(loaded.recipe, source)
+    graph = TASKS[loaded.recipe.task].serving_graph(loaded.recipe, source)
     tokenizer = TextTokenizer(root / "tiny-bert" / "tokenizer.json", max_length=32)
     inputs = VariantInputs(
-        task="text-embedding",
+        task=TASKS["text-embedding"],
         fp32=export_onnx(graph, root / "model.onnx", opset=17),
         workdir=root,
         calibration=Split(tokenizer.encode(sentences(32, 0), truncate=True)),
@@ -152,7 +153,9 @@ def test_missing_graph_empty_calibration_and_unexportable_model_are_clear_errors
     graph = ServingGraph(
         DataDependent(), ["images"], ["out"], (torch.zeros(2, 4, dtype=torch.uint8),), {"images": {0: "batch"}}
     )
-    broken = replace(inputs, task="image-classification", graph=graph, calibration=Split([np.zeros(4, np.uint8)] * 4))
+    broken = replace(
+        inputs, task=TASKS["image-classification"], graph=graph, calibration=Split([np.zeros(4, np.uint8)] * 4)
+    )
     broken = replace(broken, feeds=lambda rows: {"images": np.stack(rows)})
     candidate = tune(
         KINDS["inc-int8"],
@@ -202,7 +205,7 @@ def test_tiny_cnn_becomes_integer_convolutions(tmp_path) -> None:
         {"images": {0: "batch"}, "probabilities": {0: "batch"}},
     )
     inputs = VariantInputs(
-        task="image-classification",
+        task=TASKS["image-classification"],
         fp32=tmp_path / "unused.onnx",
         workdir=tmp_path,
         calibration=Split(images[:16]),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.samples import encode, sample_photos
+from sample_inputs import encode, sample_photos
 from serving.api import error_answer
 from serving.errors import (
     DeadlineUnmet,

@@ -27,7 +27,7 @@ from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
 from loadtest.server_metrics import INFERENCE, QUEUE, ROWS, breakdown, endpoint_label, parse
 from loadtest.stats import Outcome, Recorder, is_stable, percentile, summarize
 from loadtest.sweep import SweepSettings, run_sweep
-from pipeline.samples import sample_texts
+from sample_inputs import sample_texts
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,17 +12,17 @@ import torch
 
 from pipeline.build import BuildResult, build
 from pipeline.datasets import text_split
-from pipeline.export import serving_graph
 from pipeline.export_check import ExportCheckError, check_export, image_batches, text_batches
 from pipeline.profile import runtime_runner, sampler
 from pipeline.recipe import LoadedRecipe
 from pipeline.report import write_report
 from pipeline.sources import load_source
+from pipeline.tasks import TASKS
 from serving.artifacts import mismatched_files
 from serving.engine import EngineSettings, OnnxEngine
 from serving.manifest import ServingManifest
 from serving.model_runtime import ImageModelRuntime, TextModelRuntime, onnx_runtime, read_spec
-from serving.model_spec import CLASS_NAMES_FILE, ONNX_FILE, TOKENIZER_FILE
+from serving.model_spec import CLASS_NAMES_FILE, ONNX_FILE, TOKENIZER_FILE, ImageInput
 from serving.text import TextTokenizer, padded_tokens
 
 
@@ -136,8 +136,8 @@ def test_stored_image_model_loads_and_matches_pytorch(
     loaded = default_recipes["image-classifier"]
     result = built_models["image-classifier"]
     runtime = ImageModelRuntime(stored_dir(result), read_spec(result.model.info.metadata), EngineSettings(2))
-    graph = serving_graph(loaded.recipe, load_source(loaded))
-    (feeds,) = image_batches(loaded.recipe)[2:]
+    graph = TASKS["image-classification"].serving_graph(loaded.recipe, load_source(loaded))
+    (feeds,) = image_batches(ImageInput(size=loaded.recipe.image.size, resize=loaded.recipe.image.resize))[2:]
     with torch.inference_mode():
         expected = graph.module(torch.from_numpy(feeds["images"])).numpy()
     np.testing.assert_allclose(runtime.predict(feeds["images"]), expected, atol=1e-4)
@@ -148,13 +148,14 @@ def test_export_check_collects_every_failure(
 ) -> None:
     """A graph that disagrees with its reference fails loudly, naming each tolerance it broke."""
     loaded = default_recipes["text-embedder"]
-    graph = serving_graph(loaded.recipe, load_source(loaded))
+    task = TASKS["text-embedding"]
+    graph = task.serving_graph(loaded.recipe, load_source(loaded))
     with torch.no_grad():
         graph.module.model.embeddings.word_embeddings.weight.mul_(0.5)  # the "reference" drifts
     onnx_path = stored_dir(built_models["text-embedder"]) / ONNX_FILE
     batches = text_batches(stored_dir(built_models["text-embedder"]) / TOKENIZER_FILE, 256)
     with pytest.raises(ExportCheckError) as error:
-        check_export(loaded.recipe, graph, onnx_path, batches)
+        check_export(task, loaded.recipe.export.tolerance, graph, onnx_path, batches)
     assert any("export.tolerance.max_abs_diff" in f for f in error.value.failures)
     assert any("export.tolerance.min_cosine" in f for f in error.value.failures)
 

@@ -71,7 +71,21 @@ def test_missing_package_names_the_package(tmp_path: Path) -> None:
 
 def test_task_requires_its_preprocessing_section(tmp_path: Path) -> None:
     path = write_recipe(tmp_path, "text-embedder", text=DELETE)
-    with pytest.raises(RecipeError, match="task text-embedding needs the field 'text'"):
+    with pytest.raises(RecipeError, match=r"text-embedder\.yaml: text: Field required"):
+        load_recipe(path)
+
+
+def test_a_task_takes_only_its_own_source_kinds(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "text-embedder", source={"kind": "torchvision", "architecture": "resnet18"})
+    with pytest.raises(
+        RecipeError, match=r"text-embedder\.yaml: source: .*'torchvision'.*expected tags: 'huggingface'"
+    ):
+        load_recipe(path)
+
+
+def test_a_photo_classifier_needs_labels(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path, "image-classifier", labels=DELETE)
+    with pytest.raises(RecipeError, match="task image-classification needs the field 'labels'"):
         load_recipe(path)
 
 

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from bench.processes import free_port
-from pipeline.samples import encode, sample_photos
+from sample_inputs import encode, sample_photos
 from serving.embed import decode_base64_f16
 
 pytestmark = pytest.mark.slow

@@ -16,6 +16,7 @@ import yaml
 from pipeline.build import BuildResult, build
 from pipeline.datasets import Split
 from pipeline.recipe import RecipeError, load_recipe
+from pipeline.tasks import TASKS
 from pipeline.variants import KINDS, VariantInputs
 
 TINY_PROFILE = {"max_batch_size": 4, "seconds_per_point": 0.1}
@@ -119,7 +120,7 @@ def test_openvino_int8_under_accuracy_control_reverts_layers_until_its_drop_is_m
     tiny_text: BuildResult, tmp_path: Path
 ) -> None:
     from pipeline.evaluate import row_cosines
-    from pipeline.samples import sample_texts
+    from sample_inputs import sample_texts
     from serving.engine import EngineSettings, open_engine
     from serving.text import TextTokenizer, pad_batch
 
@@ -127,11 +128,13 @@ def test_openvino_int8_under_accuracy_control_reverts_layers_until_its_drop_is_m
     tokenizer = TextTokenizer(fp32 / "tokenizer.json", max_length=64)
     rows = tokenizer.encode(sample_texts(48), truncate=True)
     inputs = VariantInputs(
-        task="text-embedding",
+        task=TASKS["text-embedding"],
         fp32=fp32 / "model.onnx",
         workdir=tmp_path,
         calibration=Split(rows),
         feeds=lambda batch: pad_batch(batch, tokenizer.pad_id),
+        num_heads=4,
+        hidden_size=64,
     )
     kind = KINDS["openvino-int8"]
     config = kind.configs(inputs)[-1]
@@ -248,7 +251,7 @@ def test_gate_rejects_a_broken_variant_and_never_registers_it(tiny_text_recipe: 
 def test_empty_calibration_set_is_a_clear_trial_error(tiny_text: BuildResult, tmp_path) -> None:
     stored = bentoml.models.get(tiny_text.model.tag)
     inputs = VariantInputs(
-        task="text-embedding",
+        task=TASKS["text-embedding"],
         fp32=Path(stored.path) / "model.onnx",
         workdir=tmp_path,
         calibration=Split([]),

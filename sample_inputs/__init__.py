@@ -1,5 +1,9 @@
 """Real inputs that every machine has: photos shipped by scikit-image and scikit-learn, and
-English text from Python's own documentation. Used by export checks and tests."""
+English text from Python's own documentation.
+
+The pipeline evaluates on them, the load tester and the benchmarks send them, the tests use them:
+a leaf that imports nothing of the project and only numpy and Pillow at import time (the
+photo packages when photos are first asked for)."""
 
 from __future__ import annotations
 

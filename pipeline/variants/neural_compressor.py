@@ -19,6 +19,7 @@ import logging
 import tempfile
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,14 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from pipeline.export import ServingGraph
-from pipeline.variants import VariantInputs, kind
+from pipeline.export import ServingGraph, export_onnx
+from pipeline.variants.base import VariantInputs, kind
 from serving.cpu import has_vnni
 
 logger = logging.getLogger(__name__)
 
 INC_KIND = "inc-int8"
-CALIBRATION_BATCH = 16
+CALIBRATION_BATCH = 16  # rows per batch: autotune calibrates and scores on the same batches
 DYNAMO_MIN_OPSET = 18  # the dynamo exporter's own opset; converting down fails on QDQ graphs
 QUANTIZABLE = (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv1d.default)
 
@@ -71,10 +72,7 @@ def _inc_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
         raise ValueError(f"{INC_KIND} needs the PyTorch serving graph and none was given")
     if not len(inputs.calibration):
         raise ValueError(f"{INC_KIND} needs calibration data and the calibration set is empty")
-    batches = [
-        _tensors(inputs, inputs.calibration.rows[i : i + CALIBRATION_BATCH])
-        for i in range(0, len(inputs.calibration), CALIBRATION_BATCH)
-    ]
+    batches = [_tensors(graph, feeds) for feeds in inputs.calibration_batches(CALIBRATION_BATCH)]
     dynamic = _dynamic_shapes(graph.dynamic_axes, graph.input_names)
     exported = _capture(graph.module, graph.example_inputs, dynamic)
     quantized, tuning = _autotune(exported, config, batches, _agreement(graph.module, batches))
@@ -83,10 +81,9 @@ def _inc_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
     _export_onnx(quantized, graph, dynamic, out, opset=opset, conv_weight_bits=config.get("conv_weight_bits", 8))
 
 
-def _tensors(inputs: VariantInputs, rows: list) -> tuple[torch.Tensor, ...]:
-    """Rows through the same feed builder the ONNX graphs get, as torch tensors in input order."""
-    feeds = inputs.feeds(rows)
-    return tuple(torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in inputs.graph.input_names)
+def _tensors(graph: ServingGraph, feeds: dict[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
+    """The feeds the ONNX graphs get, as torch tensors in the serving graph's input order."""
+    return tuple(torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in graph.input_names)
 
 
 def _dynamic_shapes(dynamic_axes: dict[str, dict[int, str]], input_names: list[str]) -> tuple[dict, ...]:
@@ -219,17 +216,7 @@ def _export_onnx(
         raw = Path(scratch) / "quantized.onnx"
         with _quiet() as log:
             try:
-                torch.onnx.export(
-                    quantized,
-                    graph.example_inputs,
-                    str(raw),
-                    input_names=graph.input_names,
-                    output_names=graph.output_names,
-                    dynamic_shapes=dynamic,
-                    opset_version=opset,
-                    dynamo=True,
-                    verbose=False,
-                )
+                export_onnx(replace(graph, module=quantized), raw, opset=opset, dynamic_shapes=dynamic)
             except Exception as exc:
                 reason = log.reason(exc)
                 raise RuntimeError(f"{INC_KIND}: dynamo ONNX export of the quantized model failed: {reason}") from exc

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
-from pipeline.evaluate import row_cosines
-from pipeline.variants import CALIBRATION_BATCH, VariantInputs, kind, weighted_ends
+from pipeline.variants.base import VariantInputs, kind, weighted_ends
 from serving.engine import EngineSettings, OpenVinoEngine
 
 # Accuracy control stops reverting layers to float once the drop on its data is this small: a
@@ -58,8 +58,7 @@ def _openvino_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
     if not len(inputs.calibration):
         raise ValueError("openvino-int8 needs calibration data and the calibration set is empty")
     model = onnx.load(str(inputs.fp32))
-    rows = inputs.calibration.rows
-    batches = [inputs.feeds(rows[i : i + CALIBRATION_BATCH]) for i in range(0, len(rows), CALIBRATION_BATCH)]
+    batches = inputs.calibration_batches()
     options = {
         "preset": nncf.QuantizationPreset(config["preset"]),
         "model_type": nncf.ModelType(config["model_type"]) if config["model_type"] else None,
@@ -71,7 +70,7 @@ def _openvino_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
         return
     # Items carry their index so that each is compared with FP32's answer to the same batch.
     dataset = nncf.Dataset(list(enumerate(batches)), lambda item: item[1])
-    agreement = _agreement_with(inputs.fp32, batches, classifier=not inputs.is_transformer)
+    agreement = _agreement_with(inputs.fp32, batches, inputs.task.agreement)
     quantized = nncf.quantize_with_accuracy_control(
         model,
         dataset,
@@ -86,24 +85,19 @@ def _openvino_int8(inputs: VariantInputs, config: dict, out: Path) -> None:
     onnx.save(quantized, str(out))
 
 
-def _agreement_with(fp32: Path, batches: list[dict], *, classifier: bool):
-    """NNCF's validation function: per batch, top-1 agreement (classifiers) or mean cosine
-    (embedders) of a graph's outputs with the FP32 graph's on OpenVINO."""
+def _agreement_with(fp32: Path, batches: list[dict], agreement: Callable[[np.ndarray, np.ndarray], float]):
+    """NNCF's validation function: per batch, the task's agreement (top-1 for classifiers, mean
+    cosine for embedders) of a graph's outputs with the FP32 graph's on OpenVINO."""
     settings = EngineSettings.from_environment()
     reference = OpenVinoEngine(fp32, settings)
     expected = [next(iter(reference.run(feeds).values())) for feeds in batches]
-
-    def score(outputs: np.ndarray, index: int) -> float:
-        if classifier:
-            return float((outputs.argmax(-1) == expected[index].argmax(-1)).mean())
-        return float(row_cosines(outputs, expected[index]).mean())
 
     def validate(model: onnx.ModelProto, items) -> tuple[float, list[float]]:
         with tempfile.TemporaryDirectory() as scratch:
             path = Path(scratch) / "candidate.onnx"
             onnx.save(model, str(path))
             engine = OpenVinoEngine(path, settings)
-        values = [score(next(iter(engine.run(feeds).values())), index) for index, feeds in items]
+        values = [agreement(expected[index], next(iter(engine.run(feeds).values()))) for index, feeds in items]
         return float(np.mean(values)), values
 
     return validate

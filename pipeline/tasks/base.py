@@ -1,0 +1,77 @@
+"""What a task is to the pipeline: the one interface every per-task module implements.
+
+The build, the tuner, the export check and the variant kinds ask a task, never "image or text?",
+so a new task is one module here and one line in the registry (`pipeline/tasks/__init__.py`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from pipeline.datasets import Split
+from pipeline.evaluate import SliceFigures
+from pipeline.recipe import ImageClassificationRecipe, TextEmbeddingRecipe
+from serving.model_runtime import ModelRuntime
+from serving.model_spec import ModelSpec, Task
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.export import ServingGraph
+    from pipeline.recipe import LoadedRecipe, Student
+    from pipeline.sources import SourceModel
+
+Recipe = ImageClassificationRecipe | TextEmbeddingRecipe
+Feeds = Callable[[list], dict[str, np.ndarray]]
+
+
+@dataclass
+class TaskData:
+    """Everything task-specific the build needs, prepared once per build."""
+
+    spec: ModelSpec
+    files: dict[str, Path]  # file name in the stored model → file to copy there
+    check_batches: list[dict[str, np.ndarray]]  # feeds the export check compares torch and ONNX on
+    feeds: Feeds  # rows → engine inputs
+    calibration: Split
+    evaluation: dict[str, Split]  # slice name → rows the gate judges every variant on
+    profiling: Split  # real rows that timed batches are drawn from
+    training: Split | None = None
+
+
+class PipelineTask(ABC):
+    name: ClassVar[Task]
+    recipe: ClassVar[type[Recipe]]  # its recipe schema (pipeline/recipe.py), with the metrics a budget may bound
+    runtime: ClassVar[type[ModelRuntime]]  # the serving runtime that runs its models
+
+    @abstractmethod
+    def serving_graph(self, recipe: Recipe, source: SourceModel) -> ServingGraph:
+        """The source model wrapped as the service calls it: pre- and post-processing inside."""
+
+    @abstractmethod
+    def prepare(self, loaded: LoadedRecipe, source: SourceModel, graph: ServingGraph, workdir: Path) -> TaskData:
+        """Spec, files, feeds and the separate calibration, evaluation, profiling and training data."""
+
+    @abstractmethod
+    def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
+        """The task's metrics of a candidate's outputs against the reference's, with their bounds."""
+
+    @abstractmethod
+    def agreement(self, reference: np.ndarray, candidate: np.ndarray) -> float:
+        """One score in [0, 1] of how closely a batch of outputs follows the reference's (1: the
+        same answers), for quantizers that steer by it."""
+
+    def top1_agreement(self, reference: np.ndarray, candidate: np.ndarray) -> float | None:
+        """Classifiers: the share of rows whose top class is the reference's (the export check
+        bounds it); None for tasks without classes."""
+        return None
+
+    @abstractmethod
+    def distill(self, teacher: torch.nn.Module, training: Split, feeds: Feeds, settings: Student) -> torch.nn.Module:
+        """A smaller serving graph trained to imitate `teacher` (a serving graph) on `training`."""

@@ -1,0 +1,96 @@
+"""Image classification: uint8 photos in, class probabilities out, judged by agreement with FP32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pipeline.datasets import Split, digits_split, photo_split
+from pipeline.evaluate import SliceFigures, classification_figures
+from pipeline.export import IMAGE_INPUT, IMAGE_OUTPUT, ImageClassifierGraph, ServingGraph
+from pipeline.export_check import image_batches
+from pipeline.recipe import ImageClassificationRecipe
+from pipeline.sources import load_class_names
+from pipeline.students import SmallCNN, distill_classifier
+from pipeline.tasks.base import Feeds, PipelineTask, TaskData
+from pipeline.tuning import HELD_OUT
+from serving.model_runtime import ImageModelRuntime
+from serving.model_spec import CLASS_NAMES_FILE, ImageInput, ModelSpec
+
+if TYPE_CHECKING:
+    from pipeline.recipe import LoadedRecipe, Student
+    from pipeline.sources import SourceModel
+
+
+class ImageClassification(PipelineTask):
+    name = "image-classification"
+    recipe = ImageClassificationRecipe
+    runtime = ImageModelRuntime
+
+    def serving_graph(self, recipe: ImageClassificationRecipe, source: SourceModel) -> ServingGraph:
+        size = recipe.image.size
+        return ServingGraph(
+            module=ImageClassifierGraph(source.module, recipe.image).eval(),
+            input_names=[IMAGE_INPUT],
+            output_names=[IMAGE_OUTPUT],
+            example_inputs=(torch.randint(0, 256, (2, size, size, 3), dtype=torch.uint8),),
+            dynamic_axes={IMAGE_INPUT: {0: "batch"}, IMAGE_OUTPUT: {0: "batch"}},
+        )
+
+    def prepare(self, loaded: LoadedRecipe, source: SourceModel, graph: ServingGraph, workdir: Path) -> TaskData:
+        recipe = loaded.recipe
+        spec_in = ImageInput(size=recipe.image.size, resize=recipe.image.resize)
+        class_names = source.class_names or load_class_names(loaded, getattr(recipe.source, "num_classes", None))
+        names = workdir / CLASS_NAMES_FILE
+        names.write_text(json.dumps(class_names))
+        if recipe.source.kind == "train-digits":
+            calibration, held_out, perturbed, training = (
+                digits_split(p) for p in ("calibration", HELD_OUT, "perturbed", "training")
+            )
+        else:
+            calibration, held_out, perturbed = (photo_split(spec_in, p) for p in ("calibration", HELD_OUT, "perturbed"))
+            training = None
+        return TaskData(
+            spec=ModelSpec(
+                task=self.name, image=spec_in, input_names=graph.input_names, output_names=graph.output_names
+            ),
+            files={CLASS_NAMES_FILE: names},
+            check_batches=image_batches(spec_in),
+            feeds=lambda rows: {graph.input_names[0]: np.stack(rows)},
+            calibration=calibration,
+            evaluation={HELD_OUT: held_out, "perturbed": perturbed},
+            profiling=held_out,  # decoded photos: an image's cost does not depend on what it shows
+            training=training,
+        )
+
+    def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
+        return classification_figures(reference, candidate, labels)
+
+    def top1_agreement(self, reference: np.ndarray, candidate: np.ndarray) -> float:
+        return float((reference.argmax(-1) == candidate.argmax(-1)).mean())
+
+    agreement = top1_agreement
+
+    def distill(self, teacher: torch.nn.Module, training: Split, feeds: Feeds, settings: Student) -> torch.nn.Module:
+        """A small CNN from the teacher's softened probabilities plus the labels."""
+        if training.labels is None:
+            raise ValueError("a classifier student needs labelled training data (e.g. source kind train-digits)")
+        images = np.stack(training.rows)
+        with torch.inference_mode():
+            num_classes = teacher(torch.from_numpy(images[:1])).shape[-1]
+        student = teacher.with_model(SmallCNN(num_classes, settings.channels))
+        distill_classifier(
+            teacher.model,
+            student.model,
+            teacher.normalize,
+            images,
+            training.labels,
+            epochs=settings.epochs,
+            temperature=settings.temperature,
+            alpha=settings.alpha,
+        )
+        return student.eval()

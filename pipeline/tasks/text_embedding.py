@@ -1,0 +1,89 @@
+"""Sentence embedding: token ids in, mean-pooled L2-normalized vectors out, judged by cosine to FP32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pipeline.datasets import Split, text_split
+from pipeline.evaluate import SliceFigures, embedding_figures, row_cosines
+from pipeline.export import TEXT_INPUTS, TEXT_OUTPUT, SentenceEmbeddingGraph, ServingGraph
+from pipeline.export_check import text_batches
+from pipeline.recipe import REQUESTS_FIELD, TextEmbeddingRecipe, request_texts
+from pipeline.students import distill_embeddings, layer_subset_student
+from pipeline.tasks.base import Feeds, PipelineTask, TaskData
+from pipeline.tuning import HELD_OUT
+from serving.model_runtime import TextModelRuntime
+from serving.model_spec import TOKENIZER_FILE, ModelSpec, TextInput
+from serving.text import TextTokenizer, pad_batch
+
+if TYPE_CHECKING:
+    from pipeline.recipe import LoadedRecipe, Student
+    from pipeline.sources import SourceModel
+
+DISTILLATION_BATCH = 32
+
+
+class TextEmbedding(PipelineTask):
+    name = "text-embedding"
+    recipe = TextEmbeddingRecipe
+    runtime = TextModelRuntime
+
+    def serving_graph(self, recipe: TextEmbeddingRecipe, source: SourceModel) -> ServingGraph:
+        # Example with real padding: an all-ones mask lets the tracer drop masking from the graph.
+        input_ids = torch.randint(1000, 2000, (2, 16))
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[1, 9:] = 0
+        return ServingGraph(
+            module=SentenceEmbeddingGraph(source.module).eval(),
+            input_names=list(TEXT_INPUTS),
+            output_names=[TEXT_OUTPUT],
+            example_inputs=(input_ids, attention_mask),
+            dynamic_axes={
+                "input_ids": {0: "batch", 1: "sequence"},
+                "attention_mask": {0: "batch", 1: "sequence"},
+                TEXT_OUTPUT: {0: "batch"},
+            },
+        )
+
+    def prepare(self, loaded: LoadedRecipe, source: SourceModel, graph: ServingGraph, workdir: Path) -> TaskData:
+        """Profiles on the recipe's file of real requests where it names one, else on the corpus's
+        profiling part."""
+        recipe = loaded.recipe
+        tokenizer_file = source.model_dir / TOKENIZER_FILE
+        config = source.module.config
+        text = TextInput(
+            max_length=recipe.text.max_length, pad_token_id=config.pad_token_id or 0, dimensions=config.hidden_size
+        )
+        tokenizer = TextTokenizer(tokenizer_file, max_length=recipe.text.max_length)
+
+        def encode(texts: list[str]) -> list[list[int]]:
+            return tokenizer.encode(texts, truncate=True)
+
+        requests = loaded.files.get(REQUESTS_FIELD)
+        return TaskData(
+            spec=ModelSpec(task=self.name, text=text, input_names=graph.input_names, output_names=graph.output_names),
+            files={TOKENIZER_FILE: tokenizer_file},
+            check_batches=text_batches(tokenizer_file, recipe.text.max_length),
+            feeds=lambda rows: pad_batch(rows, tokenizer.pad_id),
+            calibration=text_split(encode, "calibration"),
+            evaluation={HELD_OUT: text_split(encode, "evaluation")},
+            profiling=Split(encode(request_texts(requests))) if requests else text_split(encode, "profiling"),
+            training=text_split(encode, "training"),
+        )
+
+    def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
+        return embedding_figures(reference, candidate)
+
+    def agreement(self, reference: np.ndarray, candidate: np.ndarray) -> float:
+        return float(row_cosines(reference, candidate).mean())
+
+    def distill(self, teacher: torch.nn.Module, training: Split, feeds: Feeds, settings: Student) -> torch.nn.Module:
+        """An evenly spread subset of the teacher's layers, trained on its embeddings (MSE)."""
+        student = SentenceEmbeddingGraph(layer_subset_student(teacher.model, settings.layers))
+        rows = sorted(training.rows, key=len)  # length buckets: little padding, much faster
+        batches = [feeds(rows[i : i + DISTILLATION_BATCH]) for i in range(0, len(rows), DISTILLATION_BATCH)]
+        return distill_embeddings(teacher, student, batches, epochs=settings.epochs)
