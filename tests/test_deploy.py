@@ -396,27 +396,21 @@ def test_build_script_passes_shellcheck():
     subprocess.run(["shellcheck", str(BUILD_SH)], check=True, timeout=60)
 
 
-def test_build_script_rejects_unknown_arguments():
-    result = subprocess.run(
-        ["bash", str(BUILD_SH), "--frobnicate"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
+def build_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(BUILD_SH), *args], capture_output=True, text=True, timeout=30, check=False, env=env
     )
+
+
+def test_build_script_rejects_unknown_arguments():
+    result = build_script("--frobnicate")
     assert result.returncode != 0
     assert "unknown argument" in result.stderr
 
 
 def print_mirror(apt_dir: Path, **env: str) -> dict[str, str]:
-    result = subprocess.run(
-        ["bash", str(BUILD_SH), "--print-mirror"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-        env={"PATH": "/usr/bin:/bin", "OPTISERVE_APT_DIR": str(apt_dir), **env},
-    )
+    result = build_script("--print-mirror", env={"PATH": "/usr/bin:/bin", "OPTISERVE_APT_DIR": str(apt_dir), **env})
+    result.check_returncode()
     return dict(line.split(" ", 1) for line in result.stdout.splitlines())
 
 
