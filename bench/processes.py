@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,7 +26,11 @@ def free_port() -> int:
 
 class Started(NamedTuple):
     url: str
-    pid: int  # the command's own process: BentoML's supervisor, for `bentoml serve`
+    process: subprocess.Popen  # the command's own process: BentoML's supervisor, for `bentoml serve`
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
 
 @contextmanager
@@ -41,9 +45,10 @@ def running(
         )
     try:
         wait_ready(process, url, log, timeout)
-        yield Started(url, process.pid)
+        yield Started(url, process)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        with suppress(ProcessLookupError):  # the caller may have stopped it already
+            os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:

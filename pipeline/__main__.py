@@ -14,6 +14,7 @@ from rich.table import Table
 from pipeline.build import build
 from pipeline.export_check import ExportCheckError
 from pipeline.profile import Batching
+from pipeline.quiet import third_party_quiet
 from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
 from pipeline.report import write_report
 from serving.manifest import DEFAULT_MANIFEST, ManifestError, update_manifest
@@ -56,9 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     routes = {}
     table = Table("recipe", "served", "built", "variants accepted", "batching", "report", "seconds")
-    with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
-    ) as progress:
+    with (
+        third_party_quiet(console),
+        Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
+        ) as progress,
+    ):
         overall = progress.add_task("recipes", total=len(recipes))
         for loaded in recipes:
             started = time.monotonic()

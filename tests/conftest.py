@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 from tiny_http import TinyServer  # noqa: E402
 
-from bench.processes import free_port, wait_ready  # noqa: E402
+from bench.processes import OPTISERVE, on_free_port  # noqa: E402
 from pipeline.build import BuildResult, build  # noqa: E402
 from pipeline.recipe import LoadedRecipe, Profiling, load_recipe  # noqa: E402
 from serving.manifest import ServingManifest, write_manifest  # noqa: E402
@@ -82,7 +81,6 @@ def manifest_file(
 class RunningServer:
     url: str
     process: subprocess.Popen
-    log: Path
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)
@@ -91,27 +89,9 @@ class RunningServer:
 @contextmanager
 def serving(manifest_file: Path, log: Path, **env: str) -> Iterator[RunningServer]:
     """A real `bentoml serve` of service.py on a free port, over the test store."""
-    port = free_port()
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--port", str(port), "--host", "127.0.0.1"],
-            cwd=REPO,
-            env={**os.environ, "OPTISERVE_MANIFEST": str(manifest_file), **env},
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    running = RunningServer(f"http://127.0.0.1:{port}", process, log)
-    try:
-        wait_ready(process, running.url, log, timeout=240)
-        yield running
-    finally:
-        with suppress(ProcessLookupError):  # a test may have stopped it already
-            os.killpg(process.pid, 15)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
+    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_file), **env}
+    with on_free_port(OPTISERVE, env=env, cwd=REPO, log=log) as started:
+        yield RunningServer(started.url, started.process)
 
 
 @pytest.fixture(scope="session")

@@ -396,69 +396,75 @@ def test_build_script_passes_shellcheck():
     subprocess.run(["shellcheck", str(BUILD_SH)], check=True, timeout=60)
 
 
-def test_build_script_rejects_unknown_arguments():
-    result = subprocess.run(
-        ["bash", str(BUILD_SH), "--frobnicate"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
+def build_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(BUILD_SH), *args], capture_output=True, text=True, timeout=30, check=False, env=env
     )
+
+
+def test_build_script_rejects_unknown_arguments():
+    result = build_script("--frobnicate")
     assert result.returncode != 0
     assert "unknown argument" in result.stderr
 
 
 def print_mirror(apt_dir: Path, **env: str) -> dict[str, str]:
-    result = subprocess.run(
-        ["bash", str(BUILD_SH), "--print-mirror"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-        env={"PATH": "/usr/bin:/bin", "OPTISERVE_APT_DIR": str(apt_dir), **env},
-    )
+    result = build_script("--print-mirror", env={"PATH": "/usr/bin:/bin", "OPTISERVE_APT_DIR": str(apt_dir), **env})
+    result.check_returncode()
     return dict(line.split(" ", 1) for line in result.stdout.splitlines())
 
 
-def test_build_uses_the_mirror_apt_uses_in_one_line_format(tmp_path):
+DEBIAN_MIRRORS = {
+    "bookworm": "http://mirror.example/debian",
+    "bookworm-security": "http://security.example/debian-security",
+}
+
+
+@pytest.mark.parametrize(
+    ("sources", "mirrors"),
+    [
+        pytest.param(
+            {
+                "sources.list": (
+                    "# deb http://commented.example/debian bookworm main\n"
+                    "deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian bookworm main\n"
+                    "deb http://security.example/debian-security bookworm-security main\n"
+                )
+            },
+            DEBIAN_MIRRORS,
+            id="one-line format",
+        ),
+        pytest.param(
+            {
+                "sources.list.d/other.sources": (
+                    "Types: deb\nURIs: https://vendor.example/apt\nSuites: nodistro\nComponents: main\n"
+                ),
+                "sources.list.d/debian.sources": (
+                    "Types: deb\nURIs: http://disabled.example/debian\nSuites: bookworm\nEnabled: no\n\n"
+                    "Types: deb\nURIs: http://mirror.example/debian/\nSuites: bookworm bookworm-updates\n"
+                    "Components: main\n\n"
+                    "Types: deb\nURIs: http://security.example/debian-security\nSuites: bookworm-security\n"
+                ),
+            },
+            DEBIAN_MIRRORS,
+            id="deb822 format",
+        ),
+        pytest.param(
+            {
+                "sources.list.d/debian.sources": (
+                    "Types: deb\nURIs: http://mirror.example/debian\nSuites: trixie trixie-updates\n"
+                )
+            },
+            {"bookworm": "http://mirror.example/debian", "bookworm-security": "http://deb.debian.org/debian-security"},
+            id="another Debian release: the same mirror",
+        ),
+    ],
+)
+def test_build_uses_the_mirror_apt_uses(tmp_path: Path, sources: dict[str, str], mirrors: dict[str, str]) -> None:
     (tmp_path / "sources.list.d").mkdir()
-    (tmp_path / "sources.list").write_text(
-        "# deb http://commented.example/debian bookworm main\n"
-        "deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian bookworm main\n"
-        "deb http://security.example/debian-security bookworm-security main\n"
-    )
-    assert print_mirror(tmp_path) == {
-        "bookworm": "http://mirror.example/debian",
-        "bookworm-security": "http://security.example/debian-security",
-    }
-
-
-def test_build_uses_the_mirror_apt_uses_in_deb822_format(tmp_path):
-    (tmp_path / "sources.list.d").mkdir()
-    (tmp_path / "sources.list.d" / "other.sources").write_text(
-        "Types: deb\nURIs: https://vendor.example/apt\nSuites: nodistro\nComponents: main\n"
-    )
-    (tmp_path / "sources.list.d" / "debian.sources").write_text(
-        "Types: deb\nURIs: http://disabled.example/debian\nSuites: bookworm\nEnabled: no\n\n"
-        "Types: deb\nURIs: http://mirror.example/debian/\nSuites: bookworm bookworm-updates\n"
-        "Components: main\n\n"
-        "Types: deb\nURIs: http://security.example/debian-security\nSuites: bookworm-security\n"
-    )
-    assert print_mirror(tmp_path) == {
-        "bookworm": "http://mirror.example/debian",
-        "bookworm-security": "http://security.example/debian-security",
-    }
-
-
-def test_build_on_another_debian_release_uses_the_same_mirror(tmp_path):
-    (tmp_path / "sources.list.d").mkdir()
-    (tmp_path / "sources.list.d" / "debian.sources").write_text(
-        "Types: deb\nURIs: http://mirror.example/debian\nSuites: trixie trixie-updates\n"
-    )
-    assert print_mirror(tmp_path) == {
-        "bookworm": "http://mirror.example/debian",
-        "bookworm-security": "http://deb.debian.org/debian-security",
-    }
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+    assert print_mirror(tmp_path) == mirrors
 
 
 def test_build_mirror_can_be_overridden(tmp_path):

@@ -18,7 +18,6 @@ from sample_inputs import sample_photos
 
 pytestmark = pytest.mark.slow
 
-CHELSEA = sample_photos()["chelsea"]
 JPEG = {"content-type": "image/jpeg"}
 
 
@@ -46,13 +45,13 @@ def test_a_killed_worker_is_replaced_and_the_service_answers_again(
         pids = worker_pids(server.process.pid)
         assert len(pids) == workers
         with httpx.Client(base_url=server.url, timeout=10) as client:
-            assert client.post("/classify", content=CHELSEA, headers=JPEG).status_code == 200
+            assert client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG).status_code == 200
             victim = min(pids)
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()
             while time.monotonic() - killed < 30:
                 try:
-                    if client.post("/classify", content=CHELSEA, headers=JPEG).status_code == 200:
+                    if client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG).status_code == 200:
                         break
                 except httpx.HTTPError:
                     time.sleep(0.2)

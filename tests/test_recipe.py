@@ -38,61 +38,61 @@ def test_default_recipes_load_and_resolve_packaged_files(name: str) -> None:
     assert all(path.exists() for path in loaded.files.values())
 
 
-def test_unknown_key_names_the_field(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, "image-classifier", serving__max_batchsize=8)
-    with pytest.raises(RecipeError, match=r"image-classifier\.yaml: serving\.max_batchsize: unknown key"):
-        load_recipe(path)
-
-
-def test_wrong_type_names_the_field(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, "image-classifier", image__size="large")
-    with pytest.raises(RecipeError, match=r"image\.size: .*valid integer"):
-        load_recipe(path)
-
-
-def test_source_field_errors_do_not_mention_the_union_tag(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, "image-classifier", source__architecture="efficientnet-lite9")
-    with pytest.raises(RecipeError) as error:
-        load_recipe(path)
-    assert ": source.architecture: " in str(error.value)
-
-
-def test_missing_weights_file_names_the_field(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, "image-classifier", source__weights="weights/missing.pth")
-    with pytest.raises(RecipeError, match=r"source\.weights: file not found: .*weights/missing\.pth"):
-        load_recipe(path)
-
-
-def test_missing_package_names_the_package(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, "text-embedder", source__path="package:no_such_package_xyz/model")
-    with pytest.raises(RecipeError, match=r"source\.path: package 'no_such_package_xyz' is not installed"):
-        load_recipe(path)
-
-
-def test_task_requires_its_preprocessing_section(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, "text-embedder", text=DELETE)
-    with pytest.raises(RecipeError, match=r"text-embedder\.yaml: text: Field required"):
-        load_recipe(path)
-
-
-def test_a_task_takes_only_its_own_source_kinds(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, "text-embedder", source={"kind": "torchvision", "architecture": "resnet18"})
-    with pytest.raises(
-        RecipeError, match=r"text-embedder\.yaml: source: .*'torchvision'.*expected tags: 'huggingface'"
-    ):
-        load_recipe(path)
-
-
-def test_a_photo_classifier_needs_labels(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, "image-classifier", labels=DELETE)
-    with pytest.raises(RecipeError, match="task image-classification needs the field 'labels'"):
-        load_recipe(path)
-
-
-def test_crop_larger_than_resize_is_rejected(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, "image-classifier", image__resize=200)
-    with pytest.raises(RecipeError, match=r"image: resize \(200\) must be at least size \(224\)"):
-        load_recipe(path)
+@pytest.mark.parametrize(
+    ("base", "changes", "message"),
+    [
+        pytest.param(
+            "image-classifier",
+            {"serving__max_batchsize": 8},
+            r"image-classifier\.yaml: serving\.max_batchsize: unknown key",
+            id="unknown key",
+        ),
+        pytest.param("image-classifier", {"image__size": "large"}, r"image\.size: .*valid integer", id="wrong type"),
+        pytest.param(
+            "image-classifier",
+            {"source__architecture": "efficientnet-lite9"},
+            r": source\.architecture: ",
+            id="a source field, without the union tag",
+        ),
+        pytest.param(
+            "image-classifier",
+            {"source__weights": "weights/missing.pth"},
+            r"source\.weights: file not found: .*weights/missing\.pth",
+            id="missing file",
+        ),
+        pytest.param(
+            "text-embedder",
+            {"source__path": "package:no_such_package_xyz/model"},
+            r"source\.path: package 'no_such_package_xyz' is not installed",
+            id="missing package",
+        ),
+        pytest.param(
+            "text-embedder", {"text": DELETE}, r"text-embedder\.yaml: text: Field required", id="missing pre-processing"
+        ),
+        pytest.param(
+            "text-embedder",
+            {"source": {"kind": "torchvision", "architecture": "resnet18", "weights": "x.pth"}},
+            r"text-embedder\.yaml: source: .*'torchvision'.*expected tags: 'huggingface'",
+            id="a source kind the task cannot use",
+        ),
+        pytest.param(
+            "image-classifier",
+            {"labels": DELETE},
+            "task image-classification needs the field 'labels'",
+            id="a photo classifier without labels",
+        ),
+        pytest.param(
+            "image-classifier",
+            {"image__resize": 200},
+            r"image: resize \(200\) must be at least size \(224\)",
+            id="crop larger than resize",
+        ),
+    ],
+)
+def test_a_mistake_is_one_line_naming_the_field(tmp_path: Path, base: str, changes: dict, message: str) -> None:
+    with pytest.raises(RecipeError, match=message) as error:
+        load_recipe(write_recipe(tmp_path, base, **changes))
+    assert "\n" not in str(error.value)
 
 
 def test_not_a_mapping(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import httpx
@@ -18,7 +20,7 @@ import psutil
 import pytest
 from PIL import Image
 
-from bench.processes import free_port
+from bench.processes import OPTISERVE, free_port
 from sample_inputs import encode, sample_photos
 from serving.embed import decode_base64_f16
 
@@ -165,40 +167,46 @@ def test_concurrent_requests_are_batched(server) -> None:
     assert single_row_batches < batches, "no batch larger than one request"
 
 
+@cache
 def bomb() -> bytes:
+    """12 000 × 12 000 pixels in a PNG of 140 kB: a few seconds to make, so made once, when needed."""
     buffer = io.BytesIO()
     Image.new("L", (12_000, 12_000)).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
-BAD_IMAGE_REQUESTS = {
-    "corrupt image": ({"files": {"image": ("x.jpg", sample_photos()["chelsea"][:3000], "image/jpeg")}}, 422),
-    "non-image": ({"files": {"image": ("x.pdf", b"%PDF-1.4 not a picture", "application/octet-stream")}}, 422),
-    "zero-byte body": ({"content": b"", "headers": {"content-type": "image/jpeg"}}, 400),
-    "zero-byte file": ({"files": {"image": ("x.jpg", b"", "image/jpeg")}}, 400),
-    "decompression bomb": ({"content": bomb(), "headers": {"content-type": "image/png"}}, 413),
-    "wrong content type": ({"content": b"hello", "headers": {"content-type": "text/plain"}}, 415),
-    "declared non-image part": ({"files": {"image": ("x.txt", b"hello", "text/plain")}}, 415),
+# name: (the request's arguments, made when its test runs; expected status)
+BAD_IMAGE_REQUESTS: dict[str, tuple[Callable[[], dict], int]] = {
+    "corrupt image": (lambda: {"files": {"image": ("x.jpg", sample_photos()["chelsea"][:3000], "image/jpeg")}}, 422),
+    "non-image": (lambda: {"files": {"image": ("x.pdf", b"%PDF-1.4 not a picture", "application/octet-stream")}}, 422),
+    "zero-byte body": (lambda: {"content": b"", "headers": {"content-type": "image/jpeg"}}, 400),
+    "zero-byte file": (lambda: {"files": {"image": ("x.jpg", b"", "image/jpeg")}}, 400),
+    "decompression bomb": (lambda: {"content": bomb(), "headers": {"content-type": "image/png"}}, 413),
+    "wrong content type": (lambda: {"content": b"hello", "headers": {"content-type": "text/plain"}}, 415),
+    "declared non-image part": (lambda: {"files": {"image": ("x.txt", b"hello", "text/plain")}}, 415),
     "text field instead of file": (
-        {"data": {"image": "http://127.0.0.1/cat.jpg"}, "files": {"other": ("o", b"x")}},
+        lambda: {"data": {"image": "http://127.0.0.1/cat.jpg"}, "files": {"other": ("o", b"x")}},
         422,
     ),
-    "no image field": ({"files": {"picture": ("x.jpg", sample_photos()["chelsea"], "image/jpeg")}}, 422),
+    "no image field": (lambda: {"files": {"picture": ("x.jpg", sample_photos()["chelsea"], "image/jpeg")}}, 422),
     "bad top_k": (
-        {"files": {"image": ("x.jpg", sample_photos()["chelsea"], "image/jpeg")}, "data": {"top_k": "many"}},
+        lambda: {"files": {"image": ("x.jpg", sample_photos()["chelsea"], "image/jpeg")}, "data": {"top_k": "many"}},
         422,
     ),
-    "gif": ({"content": encode(np.zeros((8, 8, 3), np.uint8), "GIF"), "headers": {"content-type": "image/gif"}}, 415),
+    "gif": (
+        lambda: {"content": encode(np.zeros((8, 8, 3), np.uint8), "GIF"), "headers": {"content-type": "image/gif"}},
+        415,
+    ),
     "multipart without a boundary": (
-        {"content": b"--x\r\n\r\n", "headers": {"content-type": "multipart/form-data"}},
+        lambda: {"content": b"--x\r\n\r\n", "headers": {"content-type": "multipart/form-data"}},
         422,
     ),
-    "two images": ({"files": [("image", ("a.jpg", sample_photos()["chelsea"]))] * 2}, 413),
+    "two images": (lambda: {"files": [("image", ("a.jpg", sample_photos()["chelsea"]))] * 2}, 413),
     "too many form fields": (
-        {"files": {"image": ("x.jpg", sample_photos()["chelsea"])}, "data": {f"f{i}": "x" for i in range(100)}},
+        lambda: {"files": {"image": ("x.jpg", sample_photos()["chelsea"])}, "data": {f"f{i}": "x" for i in range(100)}},
         413,
     ),
-    "a URL in a url-encoded form": ({"data": {"image": "http://127.0.0.1:9/cat.jpg"}}, 422),
+    "a URL in a url-encoded form": (lambda: {"data": {"image": "http://127.0.0.1:9/cat.jpg"}}, 422),
 }
 
 
@@ -206,7 +214,7 @@ BAD_IMAGE_REQUESTS = {
 def test_bad_image_requests_get_a_clear_4xx(server, case: str) -> None:
     request, status = BAD_IMAGE_REQUESTS[case]
     with server.client() as client:
-        response = client.post("/classify", **request)
+        response = client.post("/classify", **request())
     assert response.status_code == status, response.text
     assert response.json()["error"]
 
@@ -388,7 +396,7 @@ def test_a_corrupted_model_file_stops_the_start_naming_the_model_and_file(
     port = free_port()
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--port", str(port), "--host", "127.0.0.1"],
+            [*OPTISERVE, "--port", str(port)],
             cwd=Path(__file__).resolve().parent.parent,
             env={**os.environ, "OPTISERVE_MANIFEST": str(manifest_file), "BENTOML_HOME": str(home)},
             stdout=sink,

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.build import BuildResult, build
+from pipeline.build import BuildResult, build, select
 from pipeline.datasets import Split
 from pipeline.recipe import RecipeError, load_recipe
 from pipeline.tasks import TASKS
@@ -156,19 +156,35 @@ def test_openvino_int8_under_accuracy_control_reverts_layers_until_its_drop_is_m
     assert "QuantizeLinear" in ops, "layers that cost little stay in int8"
 
 
-def test_int8_static_records_every_trial_in_order(tiny_text: BuildResult) -> None:
+def test_int8_static_quantizes_every_op_when_that_fits_the_budget(tiny_text: BuildResult) -> None:
+    """The two seeded layers lose a few ten-thousandths of mean cosine with every op in int8 (0.0003
+    on an AVX2 host): far inside the budget of 0.05, so the first configuration is the one kept."""
     candidate = by_variant(tiny_text)["int8-static"]
-    configs = [t.config["ops"] for t in candidate.trials]
-    assert configs[0] == "all"
-    assert len(candidate.trials) == 1 if candidate.accepted else len(candidate.trials) == 4
-    assert all(t.metrics or t.error for t in candidate.trials)
+    assert candidate.accepted, candidate.reason
+    assert [t.config["ops"] for t in candidate.trials] == ["all"]
+    assert candidate.reason == "fits the budget on trial 1"
 
 
-def test_fp16_on_cpu_is_kept_only_if_faster(tiny_text: BuildResult) -> None:
-    candidate = by_variant(tiny_text)["fp16"]
-    assert candidate.trials and candidate.trials[0].error is None
-    if not candidate.accepted:
-        assert candidate.reason.startswith("skipped: on CPU fp16 runs at")
+def test_fp16_builds_and_computes_what_fp32_does(tiny_text: BuildResult) -> None:
+    (trial,) = by_variant(tiny_text)["fp16"].trials
+    assert trial.error is None and trial.drops["mean_cosine"] < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("throughput", "accepted", "reason"),
+    [
+        pytest.param(103, False, "skipped: on CPU fp16 runs at 1.03× FP32 throughput", id="within the noise"),
+        pytest.param(120, True, "", id="clearly faster"),
+    ],
+)
+def test_fp16_on_a_cpu_is_kept_only_if_clearly_faster_than_fp32(
+    monkeypatch, throughput: float, accepted: bool, reason: str
+) -> None:
+    from pipeline import build as building
+
+    monkeypatch.setattr(building, "available_providers", lambda: ["CPUExecutionProvider"])
+    fp16 = building._fp16_on_cpu_only(_profiled("fp16", throughput), _profiled("fp32", 100))
+    assert (fp16.accepted, fp16.reason) == (accepted, reason)
 
 
 def test_registered_labels_and_metadata_of_variants(tiny_text: BuildResult) -> None:
@@ -186,17 +202,9 @@ def test_registered_labels_and_metadata_of_variants(tiny_text: BuildResult) -> N
     assert [m.tag for m in selected] == [tiny_text.model.tag]
 
 
-def test_selection_picks_the_fastest_accepted_variant(tiny_text: BuildResult) -> None:
-    def best(candidate) -> float:
-        return max(p.throughput for p in candidate.profile if p.p99_ms <= 2000)
-
-    accepted = [c for c in tiny_text.candidates if c.accepted]
-    chosen = by_variant(tiny_text)[tiny_text.model.info.labels["variant"]]
-    fp32 = by_variant(tiny_text)["fp32"]
-    if chosen is not fp32:
-        assert best(chosen) == max(best(c) for c in accepted) and best(chosen) > 1.05 * best(fp32)
-    else:
-        assert all(best(c) <= 1.05 * best(fp32) for c in accepted)
+def test_the_build_serves_what_the_selection_picks_from_its_own_profiles(tiny_text: BuildResult) -> None:
+    chosen = select(tiny_text.candidates, slo_ms=2000)
+    assert chosen.accepted and tiny_text.model.info.labels["variant"] == chosen.variant
     assert 2 <= tiny_text.batching.max_batch_size <= 4
     assert 64 <= tiny_text.batching.max_batch_tokens <= tiny_text.batching.max_batch_size * 64
 
@@ -210,8 +218,6 @@ def _profiled(variant: str, throughput: float, p99_ms: float = 10, accepted: boo
 
 
 def test_selection_needs_a_clear_win_over_fp32_within_the_slo() -> None:
-    from pipeline.build import select
-
     fp32 = _profiled("fp32", 100)
     assert select([fp32, _profiled("fp16", 103)], slo_ms=100).variant == "fp32"  # within noise
     assert select([fp32, _profiled("a", 120), _profiled("b", 150)], slo_ms=100).variant == "b"
