@@ -238,20 +238,25 @@ def embedder(front: Front) -> TextEmbedder:
     return front.embedder
 
 
+async def read_images(request: Request, field: str, *, max_files: int, hint: str = "") -> tuple[list[ImageUpload], int]:
+    """A classify request's images (`read_uploads`) and its top_k: what both classify routes read."""
+    uploads, form = await read_uploads(request, field, max_files=max_files, hint=hint)
+    return uploads, resolve_top_k(request, form)
+
+
 async def classify(front: Front, request: Request) -> ClassifyResponse:
     images = classifier(front)
     with images.admit(1, timeout_ms=client_deadline_ms(request)) as admission:  # before the upload is read
-        uploads, form = await read_uploads(request, "image", max_files=1, hint=": send several to /classify_batch")
-        (predictions,) = await images.classify(uploads, resolve_top_k(request, form), admission)
+        uploads, top_k = await read_images(request, "image", max_files=1, hint=": send several to /classify_batch")
+        (predictions,) = await images.classify(uploads, top_k, admission)
     return ClassifyResponse(model=front.classifier_tag, predictions=predictions)
 
 
 async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse:
     images = classifier(front)
     deadline_ms = client_deadline_ms(request)
-    uploads, form = await read_uploads(request, "images", max_files=images.max_items_per_request)
-    top_k = resolve_top_k(request, form)
-    with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:
+    uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
+    with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
         results = await images.classify(uploads, top_k, admission)
     return ClassifyBatchResponse(model=front.classifier_tag, results=results)
 
