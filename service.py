@@ -3,26 +3,21 @@
 Which stored model serves which endpoint, and its batching settings, come from the serving
 manifest that `make optimize` writes (see serving/manifest.py). Where the sessions run is
 `OPTISERVE_MODEL_PLACEMENT` (serving/settings.py): in the front worker, behind our batcher with
-admission control (default, serving/batching.py), or in one batched BentoML model service per task.
+admission control (default, serving/batching.py), or in one batched BentoML model service per task
+(serving/model_services.py); serving/model_calls.py `batched_model` gives the front its handle either way.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import bentoml
-import numpy as np
 from starlette.responses import Response
 
 from serving import api
-from serving.classify import ImageClassifier, load_class_names
+from serving.classify import ImageClassifier
 from serving.embed import TextEmbedder
-from serving.engine import EngineSettings
-from serving.manifest import Route, load_manifest
-from serving.metrics import ModelMetrics
-from serving.model_calls import MODEL_CONNECTIONS, BatchedModel, RemoteModel, in_process_model
-from serving.model_runtime import load_runtime, read_spec
-from serving.model_spec import TOKENIZER_FILE
+from serving.manifest import load_manifest
+from serving.model_calls import batched_model
+from serving.model_services import model_service
 from serving.openapi import AmendedOpenAPI
 from serving.process import freeze_startup_heap
 from serving.schemas import (
@@ -33,110 +28,35 @@ from serving.schemas import (
     EmbedRequest,
     EmbedResponse,
 )
-from serving.settings import front_workers, model_placement
-from serving.text import TextTokenizer
+from serving.settings import front_workers
 
 manifest = load_manifest()
 classify_route, embed_route = manifest.classify, manifest.embed
 if classify_route is None and embed_route is None:
     raise RuntimeError("the serving manifest routes no endpoint: nothing to serve")
-IN_PROCESS = model_placement() == "in-process"
-
-MODEL_SERVICE = {"workers": 1, "traffic": {"timeout": 120}, "runner_connection": MODEL_CONNECTIONS}
-
-
-class ModelService:
-    """One batched model per worker process: BentoML batches requests from every front worker."""
-
-    endpoint: str
-    route: Route
-    stored: bentoml.Model
-
-    def __init__(self) -> None:
-        settings = EngineSettings.from_environment()
-        self.runtime = load_runtime(
-            self.endpoint, self.stored, max_batch_size=self.route.max_batch_size, settings=settings
-        )
-        self.metrics = ModelMetrics(endpoint=self.endpoint, model=str(self.stored.tag))
-
-
-if classify_route is not None and not IN_PROCESS:
-
-    @bentoml.service(**MODEL_SERVICE)
-    class ImageModel(ModelService):
-        endpoint, route = "classify", classify_route
-        stored = bentoml.models.BentoModel(classify_route.tag)
-
-        @bentoml.api(
-            batchable=True,
-            max_batch_size=classify_route.max_batch_size,
-            max_latency_ms=classify_route.max_latency_ms,
-        )
-        def predict(self, images: np.ndarray) -> np.ndarray:
-            with self.metrics.batch(rows=len(images)):
-                return self.runtime.predict(images)
-
-
-if embed_route is not None and not IN_PROCESS:
-
-    @bentoml.service(**MODEL_SERVICE)
-    class TextModel(ModelService):
-        endpoint, route = "embed", embed_route
-        stored = bentoml.models.BentoModel(embed_route.tag)
-
-        @bentoml.api(
-            batchable=True,
-            max_batch_size=embed_route.max_batch_size,
-            max_latency_ms=embed_route.max_latency_ms,
-        )
-        def predict(self, token_ids: list[list[int]]) -> np.ndarray:
-            with self.metrics.batch(rows=len(token_ids)):
-                return self.runtime.predict(token_ids)
+ImageModel = model_service("ImageModel", "classify", classify_route)  # None unless the placement is `service`
+TextModel = model_service("TextModel", "embed", embed_route)
 
 
 @bentoml.service(name="optiserve", workers=front_workers(), traffic={"timeout": 120})
 class Optiserve:
     """Image classification and text embedding, each from a stored, measured ONNX model."""
 
-    classifier: ImageClassifier | None = None
-    classifier_tag = ""
+    image_stored = bentoml.models.BentoModel(classify_route.tag) if classify_route is not None else None
+    image_model = bentoml.depends(ImageModel) if ImageModel is not None else None
+    text_stored = bentoml.models.BentoModel(embed_route.tag) if embed_route is not None else None
+    text_model = bentoml.depends(TextModel) if TextModel is not None else None
+    classifier: ImageClassifier | None = None  # set in __init__ where the manifest routes a model
     embedder: TextEmbedder | None = None
-    embedder_tag = ""
-
-    if classify_route is not None:
-        image_stored = bentoml.models.BentoModel(classify_route.tag)
-        if not IN_PROCESS:
-            image_model = bentoml.depends(ImageModel)
-    if embed_route is not None:
-        text_stored = bentoml.models.BentoModel(embed_route.tag)
-        if not IN_PROCESS:
-            text_model = bentoml.depends(TextModel)
 
     def __init__(self) -> None:
         if classify_route is not None:
-            spec = read_spec(self.image_stored.info.metadata)
-            self.classifier_tag = str(self.image_stored.tag)
-            self.classifier = ImageClassifier(
-                spec=spec.image,
-                class_names=load_class_names(Path(self.image_stored.path)),
-                model=self.batched_model("classify", self.image_stored, classify_route, remote="image_model"),
-                max_items_per_request=classify_route.max_items_per_request,
-            )
+            model = batched_model("classify", self.image_stored, classify_route, self.image_model)
+            self.classifier = ImageClassifier.from_stored(self.image_stored, classify_route, model)
         if embed_route is not None:
-            spec = read_spec(self.text_stored.info.metadata)
-            self.embedder_tag = str(self.text_stored.tag)
-            self.embedder = TextEmbedder(
-                tokenizer=TextTokenizer(Path(self.text_stored.path) / TOKENIZER_FILE, max_length=spec.text.max_length),
-                model=self.batched_model("embed", self.text_stored, embed_route, remote="text_model"),
-                max_items_per_request=embed_route.max_items_per_request,
-            )
+            model = batched_model("embed", self.text_stored, embed_route, self.text_model)
+            self.embedder = TextEmbedder.from_stored(self.text_stored, embed_route, model)
         freeze_startup_heap()
-
-    def batched_model(self, endpoint: str, stored: bentoml.Model, route: Route, *, remote: str) -> BatchedModel:
-        """The model in this process behind our batcher, or the model service's batchable API."""
-        if IN_PROCESS:
-            return in_process_model(endpoint, stored, route, processes=front_workers())
-        return RemoteModel(lambda: getattr(self, remote).to_async.predict, route)
 
     # The endpoints read their own bodies (serving/api.py): BentoML passes the declared fields unread.
 

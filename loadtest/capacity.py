@@ -31,7 +31,6 @@ def find_knee(points: Sequence[Point], *, slo_ms: float, max_error_rate: float =
     if not eligible:
         return None
     best = max(eligible, key=lambda p: (p.throughput, -p.level))
-    assert best.p99_ms is not None
     return Knee(level=best.level, throughput=best.throughput, p99_ms=best.p99_ms, slo_ms=slo_ms)
 
 

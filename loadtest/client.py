@@ -86,10 +86,11 @@ class Connection(asyncio.Protocol):
 
     async def request(self, data: bytes, timeout: float) -> Response:
         """Send `data`, wait for the whole response; raises TimeoutError after `timeout` seconds."""
+        if self.transport is None:
+            raise RuntimeError("request on a connection that was never made: open it with connect()")
         loop = asyncio.get_running_loop()
         self.waiter, self.body = loop.create_future(), []
         timer = loop.call_later(timeout, self.fail, TimeoutError())
-        assert self.transport is not None
         self.transport.write(data)
         try:
             return await self.waiter

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from locust import HttpUser, constant, task
@@ -43,21 +44,23 @@ def _text_bodies() -> list[Payload]:
     return text_payloads(texts, per_request=int(os.environ.get("LOADTEST_TEXTS_PER_REQUEST", "1")))
 
 
-class ClassifyUser(HttpUser):
+class _PostingUser(HttpUser):
+    """Posts `bodies` to `path` in turn; abstract, so locust runs only the users below."""
+
+    abstract = True
     wait_time = constant(0)
-    bodies = itertools.cycle(_image_bodies())
+    path: str
+    bodies: Iterator[Payload]
 
     @task
-    def classify(self) -> None:
+    def post(self) -> None:
         body = next(self.bodies)
-        self.client.post("/classify", data=body.body, headers={"content-type": body.content_type}, name="/classify")
+        self.client.post(self.path, data=body.body, headers={"content-type": body.content_type}, name=self.path)
 
 
-class EmbedUser(HttpUser):
-    wait_time = constant(0)
-    bodies = itertools.cycle(_text_bodies())
+class ClassifyUser(_PostingUser):
+    path, bodies = "/classify", itertools.cycle(_image_bodies())
 
-    @task
-    def embed(self) -> None:
-        body = next(self.bodies)
-        self.client.post("/embed", data=body.body, headers={"content-type": body.content_type}, name="/embed")
+
+class EmbedUser(_PostingUser):
+    path, bodies = "/embed", itertools.cycle(_text_bodies())

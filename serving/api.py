@@ -49,9 +49,7 @@ class Front(Protocol):
     """What the front BentoML service instance offers the endpoints."""
 
     classifier: ImageClassifier | None
-    classifier_tag: str
     embedder: TextEmbedder | None
-    embedder_tag: str
 
 
 MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
@@ -238,22 +236,27 @@ def embedder(front: Front) -> TextEmbedder:
     return front.embedder
 
 
+async def read_images(request: Request, field: str, *, max_files: int, hint: str = "") -> tuple[list[ImageUpload], int]:
+    """A classify request's images (`read_uploads`) and its top_k: what both classify routes read."""
+    uploads, form = await read_uploads(request, field, max_files=max_files, hint=hint)
+    return uploads, resolve_top_k(request, form)
+
+
 async def classify(front: Front, request: Request) -> ClassifyResponse:
     images = classifier(front)
     with images.admit(1, timeout_ms=client_deadline_ms(request)) as admission:  # before the upload is read
-        uploads, form = await read_uploads(request, "image", max_files=1, hint=": send several to /classify_batch")
-        (predictions,) = await images.classify(uploads, resolve_top_k(request, form), admission)
-    return ClassifyResponse(model=front.classifier_tag, predictions=predictions)
+        uploads, top_k = await read_images(request, "image", max_files=1, hint=": send several to /classify_batch")
+        (predictions,) = await images.classify(uploads, top_k, admission)
+    return ClassifyResponse(model=images.tag, predictions=predictions)
 
 
 async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse:
     images = classifier(front)
     deadline_ms = client_deadline_ms(request)
-    uploads, form = await read_uploads(request, "images", max_files=images.max_items_per_request)
-    top_k = resolve_top_k(request, form)
-    with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:
+    uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
+    with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
         results = await images.classify(uploads, top_k, admission)
-    return ClassifyBatchResponse(model=front.classifier_tag, results=results)
+    return ClassifyBatchResponse(model=images.tag, results=results)
 
 
 async def embed_request(request: Request, limit: int) -> EmbedRequest:
@@ -268,20 +271,20 @@ async def embed(front: Front, request: Request) -> EmbedResponse:
     deadline_ms = client_deadline_ms(request)
     body = await embed_request(request, MAX_EMBED_BODY_BYTES)
     vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms)
-    return embed_response(front, body, vectors, tokens)
+    return embed_response(texts, body, vectors, tokens)
 
 
 async def embed_bulk(front: Front, request: Request) -> EmbedResponse:
     texts = embedder(front)
     body = await embed_request(request, MAX_BULK_BODY_BYTES)
     vectors, tokens = await texts.embed_bulk(body.texts, truncate=body.truncate)
-    return embed_response(front, body, vectors, tokens)
+    return embed_response(texts, body, vectors, tokens)
 
 
-def embed_response(front: Front, body: EmbedRequest, vectors: Any, tokens: int) -> EmbedResponse:
+def embed_response(texts: TextEmbedder, body: EmbedRequest, vectors: Any, tokens: int) -> EmbedResponse:
     encoded = encode_base64_f16(vectors) if body.encoding_format == "base64" else vectors.tolist()
     return EmbedResponse(
-        model=front.embedder_tag,
+        model=texts.tag,
         dimensions=int(vectors.shape[1]),
         encoding_format=body.encoding_format,
         embeddings=encoded,

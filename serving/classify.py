@@ -10,12 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import bentoml
 import numpy as np
 
 from serving.batching import Admission
 from serving.errors import InputTooLarge, InvalidInput
 from serving.images import check_content_type, decode_image, resize_center_crop
+from serving.manifest import Route
 from serving.model_calls import BatchedModel
+from serving.model_runtime import read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
 from serving.schemas import Prediction
 
@@ -45,19 +48,24 @@ def top_k_predictions(probabilities: np.ndarray, class_names: Sequence[str], k: 
     return [Prediction(label=class_names[i], class_id=int(i), score=float(probabilities[i])) for i in best]
 
 
+@dataclass(frozen=True, kw_only=True)
 class ImageClassifier:
-    def __init__(
-        self,
-        *,
-        spec: ImageInput,
-        class_names: list[str],
-        model: BatchedModel,
-        max_items_per_request: int,
-    ) -> None:
-        self.spec = spec
-        self.class_names = class_names
-        self.model = model
-        self.max_items_per_request = max_items_per_request
+    spec: ImageInput
+    class_names: list[str]
+    model: BatchedModel
+    max_items_per_request: int
+    tag: str  # the stored model's, named in every answer
+
+    @classmethod
+    def from_stored(cls, stored: bentoml.Model, route: Route, model: BatchedModel) -> ImageClassifier:
+        """The classifier of a stored model: its input spec and class names are stored with it."""
+        return cls(
+            spec=read_spec(stored.info.metadata).image,
+            class_names=load_class_names(Path(stored.path)),
+            model=model,
+            max_items_per_request=route.max_items_per_request,
+            tag=str(stored.tag),
+        )
 
     def admit(self, images: int, *, timeout_ms: float | None = None) -> AbstractContextManager[Admission]:
         """A place in the model's queue for `images` images, or a refusal (serving/batching.py):

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
+import bentoml
 import numpy as np
 
+from serving.manifest import Route
 from serving.model_calls import BatchedModel
+from serving.model_runtime import read_spec
+from serving.model_spec import TOKENIZER_FILE
 from serving.text import TextTokenizer, check_text_batch
 
 # Texts up to this many characters in all are tokenized on the event loop: about 35 µs per short
@@ -30,17 +36,23 @@ def decode_base64_f16(encoded: list[str]) -> np.ndarray:
     return np.stack([np.frombuffer(base64.b64decode(s), dtype="<f2") for s in encoded])
 
 
+@dataclass(frozen=True, kw_only=True)
 class TextEmbedder:
-    def __init__(
-        self,
-        *,
-        tokenizer: TextTokenizer,
-        model: BatchedModel,
-        max_items_per_request: int,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.model = model
-        self.max_items_per_request = max_items_per_request
+    tokenizer: TextTokenizer
+    model: BatchedModel
+    max_items_per_request: int
+    tag: str  # the stored model's, named in every answer
+
+    @classmethod
+    def from_stored(cls, stored: bentoml.Model, route: Route, model: BatchedModel) -> TextEmbedder:
+        """The embedder of a stored model: its tokenizer is stored with it."""
+        spec = read_spec(stored.info.metadata).text
+        return cls(
+            tokenizer=TextTokenizer(Path(stored.path) / TOKENIZER_FILE, max_length=spec.max_length),
+            model=model,
+            max_items_per_request=route.max_items_per_request,
+            tag=str(stored.tag),
+        )
 
     async def embed(
         self, texts: list[str], *, truncate: bool, timeout_ms: float | None = None

@@ -27,9 +27,10 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
+import bentoml
 import numpy as np
 
 from serving.batching import Admission, Batcher, BatchLimits
@@ -37,7 +38,7 @@ from serving.engine import EngineSettings
 from serving.manifest import Route
 from serving.metrics import ModelMetrics
 from serving.model_runtime import load_runtime
-from serving.settings import max_queue_rows
+from serving.settings import front_workers, max_queue_rows, model_placement
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,14 @@ class BatchedModel(Protocol):
     async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray: ...
 
     async def run_bulk(self, rows: np.ndarray | list) -> np.ndarray: ...
+
+
+def batched_model(endpoint: str, stored: bentoml.Model, route: Route, service: Any) -> BatchedModel:
+    """The route's model where OPTISERVE_MODEL_PLACEMENT puts it: in this process behind our
+    batcher, or in its model service (serving/model_services.py), `service` the front's client."""
+    if model_placement() == "in-process":
+        return in_process_model(endpoint, stored, route, processes=front_workers())
+    return RemoteModel(service, route)
 
 
 def in_process_model(endpoint: str, stored, route: Route, *, processes: int) -> Batcher:
@@ -72,10 +81,10 @@ def in_process_model(endpoint: str, stored, route: Route, *, processes: int) -> 
 class RemoteModel:
     """A model service's batchable `predict`, called in chunks of at most its batch size."""
 
-    def __init__(self, predict: Callable[[], Callable[[np.ndarray | list], Awaitable[np.ndarray]]], route: Route):
-        """`predict` returns the client method: BentoML gives remote clients their methods only
-        after startup, so it is looked up per call."""
-        self._predict = predict
+    def __init__(self, service: Any, route: Route):
+        """`service` is the front's client of the model service (its `bentoml.depends`): BentoML
+        sets up the client's methods only once the front has started, so `predict` is looked up per call."""
+        self._service = service
         self._route = route
 
     @contextmanager
@@ -89,7 +98,7 @@ class RemoteModel:
         """The model service's batcher has no priorities: bulk rows queue like any others."""
         size = self._route.max_batch_size
         chunks = [rows[start : start + size] for start in range(0, len(rows), size)]
-        return np.concatenate(await asyncio.gather(*(call_model(self._predict(), c) for c in chunks)))
+        return np.concatenate(await asyncio.gather(*(call_model(self._service.to_async.predict, c) for c in chunks)))
 
 
 async def call_model(call: Callable[[In], Awaitable[Out]], value: In) -> Out:

@@ -1,0 +1,64 @@
+"""The `service` placement's model services: one batched BentoML service per routed model.
+
+Each runs the route's ONNX session in one worker and declares `predict` batchable, so BentoML
+merges the calls of every front worker into the route's batches (serving/model_calls.py
+`RemoteModel` makes those calls). The two services differ only in their route and the rows they
+take, so one factory makes both; service.py names them at module level, where `bentoml.depends`
+and `bentoml serve` find them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import bentoml
+import numpy as np
+from pydantic import Field, create_model
+
+from serving.engine import EngineSettings
+from serving.manifest import Route
+from serving.metrics import ModelMetrics
+from serving.model_calls import MODEL_CONNECTIONS
+from serving.model_runtime import load_runtime
+from serving.settings import model_placement
+
+MODEL_SERVICE = {"workers": 1, "traffic": {"timeout": 120}, "runner_connection": MODEL_CONNECTIONS}
+# Each endpoint's rows as its model service's `predict` declares them: decoded images, or token ids.
+ROWS: dict[str, tuple[str, Any]] = {"classify": ("images", np.ndarray), "embed": ("token_ids", list[list[int]])}
+
+
+class ModelService:
+    """One batched model per worker process: BentoML batches requests from every front worker."""
+
+    endpoint: str
+    route: Route
+    stored: bentoml.Model
+
+    def __init__(self) -> None:
+        settings = EngineSettings.from_environment()
+        self.runtime = load_runtime(
+            self.endpoint, self.stored, max_batch_size=self.route.max_batch_size, settings=settings
+        )
+        self.metrics = ModelMetrics(endpoint=self.endpoint, model=str(self.stored.tag))
+
+    # No docstring: BentoML would publish it as the API's description, which has none.
+    def predict(self, rows: np.ndarray | list[list[int]]) -> np.ndarray:
+        with self.metrics.batch(rows=len(rows)):
+            return self.runtime.predict(rows)
+
+
+def model_service(name: str, endpoint: str, route: Route | None) -> bentoml.Service | None:
+    """The BentoML service `name` running the route's model under the `service` placement; None
+    in process, or where the manifest routes no model to `endpoint`."""
+    if route is None or model_placement() != "service":
+        return None
+    field, rows = ROWS[endpoint]
+    predict = bentoml.api(
+        input_spec=create_model("Input", __base__=bentoml.IODescriptor, **{field: (rows, Field())}),
+        batchable=True,
+        max_batch_size=route.max_batch_size,
+        max_latency_ms=route.max_latency_ms,
+    )(ModelService.predict)
+    stored = bentoml.models.BentoModel(route.tag)
+    inner = type(name, (ModelService,), {"endpoint": endpoint, "route": route, "stored": stored, "predict": predict})
+    return bentoml.service(name=name, **MODEL_SERVICE)(inner)
