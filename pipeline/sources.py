@@ -117,10 +117,10 @@ def _train_digits(loaded: LoadedRecipe) -> SourceModel:
     """Train the teacher here, on the training part of the same split evaluation holds out."""
     from pipeline.datasets import digits_split
     from pipeline.export import ImageClassifierGraph
-    from pipeline.students import SmallResNet, train_classifier
+    from pipeline.students import SmallResNet, seeded, train_classifier
 
     source = loaded.recipe.source
-    model = SmallResNet(num_classes=10, channels=source.channels, blocks=source.blocks)
+    model = seeded(lambda: SmallResNet(num_classes=10, channels=source.channels, blocks=source.blocks))
     normalize = ImageClassifierGraph(model, loaded.recipe.image).normalize
     training = digits_split("training")
     train_classifier(model, normalize, np.stack(training.rows), training.labels, epochs=source.epochs)

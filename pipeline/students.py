@@ -64,6 +64,13 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
+def seeded(make: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    """A network whose initial weights depend on `seed` alone: torch seeds every process at random,
+    so two runs of one recipe trained different teachers and students and judged them differently."""
+    torch.manual_seed(seed)
+    return make()
+
+
 def _batches(count: int, batch_size: int, generator: torch.Generator):
     order = torch.randperm(count, generator=generator)
     return [order[i : i + batch_size] for i in range(0, count, batch_size)]

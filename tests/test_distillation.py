@@ -16,6 +16,7 @@ from pipeline.datasets import Split, digits_split, text_split
 from pipeline.export import SentenceEmbeddingGraph
 from pipeline.recipe import Budget, load_recipe
 from pipeline.students import distill_embeddings, evenly_spread, layer_subset_student
+from pipeline.tasks import TASKS
 from pipeline.tuning import tune
 from pipeline.variants import KINDS, VariantInputs
 
@@ -66,7 +67,7 @@ def test_student_int8_is_not_built_without_an_accepted_student(tmp_path: Path) -
         raise AssertionError("nothing was built, so nothing is judged")
 
     inputs = VariantInputs(
-        task="image-classification",
+        task=TASKS["image-classification"],
         fp32=tmp_path / "model.onnx",
         workdir=tmp_path,
         calibration=Split([]),
@@ -138,3 +139,16 @@ def test_text_student_keeps_teacher_layers_and_learns_its_embeddings() -> None:
     before = loss()
     distill_embeddings(teacher, student, batches, epochs=5)
     assert loss() < before
+
+
+def test_a_network_starts_from_the_same_weights_in_every_process() -> None:
+    """torch seeds each process at random; the pipeline's networks must not depend on it."""
+    from pipeline.students import SmallCNN, seeded
+
+    torch.manual_seed(torch.seed())  # whatever an earlier step left behind
+    first = seeded(lambda: SmallCNN(10, 4))
+    torch.manual_seed(torch.seed())
+    second = seeded(lambda: SmallCNN(10, 4))
+    assert all(
+        torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True)
+    )

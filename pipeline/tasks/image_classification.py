@@ -15,7 +15,7 @@ from pipeline.export import IMAGE_INPUT, IMAGE_OUTPUT, ImageClassifierGraph, Ser
 from pipeline.export_check import image_batches
 from pipeline.recipe import ImageClassificationRecipe
 from pipeline.sources import load_class_names
-from pipeline.students import SmallCNN, distill_classifier
+from pipeline.students import SmallCNN, distill_classifier, seeded
 from pipeline.tasks.base import Feeds, PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT
 from serving.model_runtime import ImageModelRuntime
@@ -82,7 +82,7 @@ class ImageClassification(PipelineTask):
         images = np.stack(training.rows)
         with torch.inference_mode():
             num_classes = teacher(torch.from_numpy(images[:1])).shape[-1]
-        student = teacher.with_model(SmallCNN(num_classes, settings.channels))
+        student = teacher.with_model(seeded(lambda: SmallCNN(num_classes, settings.channels)))
         distill_classifier(
             teacher.model,
             student.model,
