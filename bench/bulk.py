@@ -138,10 +138,9 @@ def print_summary(results: dict[str, Any]) -> None:
 
 def write_plot(run: dict, results: dict[str, Any], path: Path) -> None:
     """Each interactive request's latency against time, the bulk task's span shaded."""
-    import matplotlib
+    from loadtest.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     marks, outcomes = run["marks"], run["outcomes"].outcomes
     start = marks["start"]
@@ -156,9 +155,7 @@ def write_plot(run: dict, results: dict[str, Any], path: Path) -> None:
     axes.set_ylabel("interactive /embed latency (ms)")
     axes.set_title(f"a bulk task of {results['bulk']['texts']} texts beside interactive traffic")
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> int:

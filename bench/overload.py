@@ -277,10 +277,9 @@ def print_summary(results: dict[str, Any]) -> None:
 
 def write_plot(results: dict[str, Any], path: Path) -> None:
     """Recovery p99 per half second after the flood, against 1.5 × the unloaded p99."""
-    import matplotlib
+    from loadtest.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axes = plt.subplots(figsize=(7, 4))
     for model, r in results["models"].items():
@@ -297,9 +296,7 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     axes.set_ylabel("p99 latency at concurrency 1 (ms)")
     axes.set_title("recovery after the flood")
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -153,10 +153,9 @@ def print_summary(results: dict[str, Any]) -> None:
 
 
 def write_plot(results: dict[str, Any], run: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from loadtest.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from loadtest.stats import latency_ms
 
@@ -176,9 +175,7 @@ def write_plot(results: dict[str, Any], run: dict[str, Any], path: Path) -> None
     latency.set_xlabel("seconds")
     latency.legend()
     figure.suptitle("soak: memory and tail latency over time")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,14 +75,28 @@ def print_report(result: SweepResult, console: Console) -> None:
         )
 
 
-def write_plots(result: SweepResult, folder: Path, stem: str) -> list[Path]:
-    """Throughput against load level, and p99 against throughput with the SLO line."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on its file-only backend: servers and CI have no display."""
     try:
         import matplotlib
     except ImportError as exc:
         raise RuntimeError("plots need matplotlib: pip install matplotlib (or pass --no-plots)") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot().close(figure)
+    return path
+
+
+def write_plots(result: SweepResult, folder: Path, stem: str) -> list[Path]:
+    """Throughput against load level, and p99 against throughput with the SLO line."""
+    plt = pyplot()
 
     folder.mkdir(parents=True, exist_ok=True)
     levels = [lv.level for lv in result.levels]
@@ -97,10 +111,7 @@ def write_plots(result: SweepResult, folder: Path, stem: str) -> list[Path]:
         axes.set_xscale("log", base=2)
     axes.set(xlabel=level_name, ylabel="throughput (req/s)", title=f"throughput vs {level_name}")
     axes.grid(alpha=0.3)
-    paths.append(folder / f"{stem}-throughput.png")
-    figure.tight_layout()
-    figure.savefig(paths[-1], dpi=120)
-    plt.close(figure)
+    paths.append(save_figure(figure, folder / f"{stem}-throughput.png"))
 
     figure, axes = plt.subplots(figsize=(6, 4))
     axes.plot(throughput, p99, marker="o")
@@ -112,8 +123,5 @@ def write_plots(result: SweepResult, folder: Path, stem: str) -> list[Path]:
     axes.set(xlabel="throughput (req/s)", ylabel="p99 latency (ms)", title="p99 vs throughput")
     axes.legend()
     axes.grid(alpha=0.3)
-    paths.append(folder / f"{stem}-p99.png")
-    figure.tight_layout()
-    figure.savefig(paths[-1], dpi=120)
-    plt.close(figure)
+    paths.append(save_figure(figure, folder / f"{stem}-p99.png"))
     return paths

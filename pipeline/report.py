@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.profile import Batching, ProfilePoint, best_point
 from pipeline.recipe import Recipe
@@ -92,11 +92,24 @@ def profile_table(points: list[ProfilePoint]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_frontier(recipe: Recipe, candidates: list[Candidate], path: Path) -> None:
+def _pyplot() -> Any:
+    """matplotlib's pyplot on its file-only backend: build machines have no display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(figure: Any, path: Path) -> None:
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    _pyplot().close(figure)
+
+
+def plot_frontier(recipe: Recipe, candidates: list[Candidate], path: Path) -> None:
+    plt = _pyplot()
 
     metric = _headline_metric(recipe)
     figure, axes = plt.subplots(figsize=(6, 4))
@@ -107,16 +120,11 @@ def plot_frontier(recipe: Recipe, candidates: list[Candidate], path: Path) -> No
     axes.set_xlabel("throughput at best batch (rows/s)")
     axes.set_ylabel(metric)
     axes.set_title(f"{recipe.name}: accuracy against speed")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def plot_latency(recipe: Recipe, candidates: list[Candidate], eager: list[ProfilePoint], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     figure, axes = plt.subplots(figsize=(6, 4))
     series = [("PyTorch eager", eager)] + [(c.variant, c.profile) for c in candidates if c.profile]
@@ -128,9 +136,7 @@ def plot_latency(recipe: Recipe, candidates: list[Candidate], eager: list[Profil
     axes.set_ylabel("p50 latency per call (ms)")
     axes.set_title(f"{recipe.name}: latency against batch size")
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
