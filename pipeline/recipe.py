@@ -153,7 +153,7 @@ class Profiling(Strict):
     )
 
 
-class _Recipe(Strict):
+class RecipeBase(Strict):
     """What every task's recipe says; each task's recipe adds its own inputs and source kinds."""
 
     metrics: ClassVar[tuple[str, ...]]  # what `budget.max_drop` may bound for this task
@@ -167,7 +167,7 @@ class _Recipe(Strict):
     serving: Serving
 
     @model_validator(mode="after")
-    def _budget_fits(self) -> _Recipe:
+    def _budget_fits(self) -> RecipeBase:
         if self.variants and self.budget is None:
             raise ValueError("variants need a budget: every variant is judged against it")
         for metric in self.budget.max_drop if self.budget else ():
@@ -189,7 +189,7 @@ class _Recipe(Strict):
         return fields
 
 
-class ImageClassificationRecipe(_Recipe):
+class ImageClassificationRecipe(RecipeBase):
     metrics = ("top1_agreement", "top5_agreement", "top5_overlap", "kl_divergence", "accuracy")
     task: Literal["image-classification"]
     source: Annotated[EfficientNetLiteSource | TorchvisionSource | TrainDigitsSource, Field(discriminator="kind")]
@@ -215,7 +215,7 @@ class ImageClassificationRecipe(_Recipe):
         return super().file_fields() | labels
 
 
-class TextEmbeddingRecipe(_Recipe):
+class TextEmbeddingRecipe(RecipeBase):
     metrics = ("mean_cosine", "min_cosine", "knn10_agreement")
     task: Literal["text-embedding"]
     source: Annotated[HuggingFaceSource, Field(discriminator="kind")]

@@ -1,7 +1,9 @@
 """What a task is to the pipeline: the one interface every per-task module implements.
 
 The build, the tuner, the export check and the variant kinds ask a task, never "image or text?",
-so a new task is one module here and one line in the registry (`pipeline/tasks/__init__.py`).
+so a new task is a module here and a line in the registry (`pipeline/tasks/__init__.py`), beside its
+recipe class (pipeline/recipe.py) and its runtime (serving/model_runtime.py); tests/test_tasks.py
+names any part missing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from pipeline.datasets import Split
 from pipeline.evaluate import SliceFigures
-from pipeline.recipe import ImageClassificationRecipe, TextEmbeddingRecipe
+from pipeline.recipe import RecipeBase
 from serving.model_runtime import ModelRuntime
 from serving.model_spec import ModelSpec, Task
 
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
     from pipeline.recipe import LoadedRecipe, Student
     from pipeline.sources import SourceModel
 
-Recipe = ImageClassificationRecipe | TextEmbeddingRecipe
 Feeds = Callable[[list], dict[str, np.ndarray]]
 
 
@@ -47,11 +48,11 @@ class TaskData:
 
 class PipelineTask(ABC):
     name: ClassVar[Task]
-    recipe: ClassVar[type[Recipe]]  # its recipe schema (pipeline/recipe.py), with the metrics a budget may bound
+    recipe: ClassVar[type[RecipeBase]]  # its recipe schema (pipeline/recipe.py), with the metrics a budget may bound
     runtime: ClassVar[type[ModelRuntime]]  # the serving runtime that runs its models
 
     @abstractmethod
-    def serving_graph(self, recipe: Recipe, source: SourceModel) -> ServingGraph:
+    def serving_graph(self, recipe: RecipeBase, source: SourceModel) -> ServingGraph:
         """The source model wrapped as the service calls it: pre- and post-processing inside."""
 
     @abstractmethod
