@@ -67,4 +67,5 @@ def test_loadtest_reads_a_latency_bound_server_like_wrk(tiny_server) -> None:
 
     assert check["wrk_throughput"] == pytest.approx(40, rel=0.1)
     assert check["met"], check
-    assert check["concurrency"] == 2 and check["wrk"]["connections"] == 2
+    assert check["concurrency"] == 2 and all(run["connections"] == 2 for run in check["wrk_runs"])
+    assert len(check["loadtest_runs"]) == len(check["wrk_runs"]) == 3  # alternated, three rounds each
