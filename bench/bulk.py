@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.generator import post_requests
     from sample_inputs import corpus_sentences
 
-    samples = Samples.load()
+    samples = Samples()
     held_back = set(samples.texts)
     corpus = [t for t in corpus_sentences() if t not in held_back]
     bulk_texts = [corpus[i % len(corpus)] for i in range(args.texts)]

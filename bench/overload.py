@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from bench.serving import MODELS, Samples, model_names, served_run
 
-    samples = Samples.load()
+    samples = Samples()
     with served_run(args, "overload") as run:
         results = run.record | {"models": {}}
         for name in model_names(args):

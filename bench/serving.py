@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from functools import cached_property
 from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Any
@@ -80,19 +81,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-@dataclass(frozen=True)
 class Samples:
-    """What every bench sends: the sample photos and SAMPLE_TEXTS corpus sentences."""
+    """What every bench sends: the sample photos and SAMPLE_TEXTS corpus sentences, each made
+    when a bench first asks (the bulk bench sends no photo)."""
 
-    files: dict[str, bytes]
-    texts: list[str]
-
-    @classmethod
-    def load(cls) -> Samples:
+    @cached_property
+    def files(self) -> dict[str, bytes]:
         from loadtest.inputs import sample_photo_files
+
+        return sample_photo_files()
+
+    @cached_property
+    def texts(self) -> list[str]:
         from sample_inputs import sample_texts
 
-        return cls(sample_photo_files(), sample_texts(SAMPLE_TEXTS))
+        return sample_texts(SAMPLE_TEXTS)
 
 
 @dataclass(frozen=True)
@@ -493,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     from serving.settings import PLACEMENT_ENV
 
     manifest = load_manifest(manifest_path)
-    samples = Samples.load()
+    samples = Samples()
     results: dict[str, Any] = run_record(args, manifest_path)
     results["models"] = {m: {} for m in models}
     results["servers"] = []

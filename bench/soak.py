@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from bench.serving import MODELS, Samples, served_run
 
-    samples = Samples.load()
+    samples = Samples()
     import uvloop
 
     with served_run(args, "soak") as served:

@@ -9,7 +9,6 @@ names any part missing.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -19,6 +18,7 @@ import numpy as np
 from pipeline.datasets import Split
 from pipeline.evaluate import SliceFigures
 from pipeline.recipe import RecipeBase
+from pipeline.variants.base import Feeds
 from serving.model_runtime import ModelRuntime
 from serving.model_spec import ModelSpec, Task
 
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     from pipeline.export import ServingGraph
     from pipeline.recipe import LoadedRecipe, Student
     from pipeline.sources import SourceModel
-
-Feeds = Callable[[list], dict[str, np.ndarray]]
 
 
 @dataclass

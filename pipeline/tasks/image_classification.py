@@ -16,8 +16,9 @@ from pipeline.export_check import image_batches
 from pipeline.recipe import ImageClassificationRecipe
 from pipeline.sources import load_class_names
 from pipeline.students import SmallCNN, distill_classifier, seeded
-from pipeline.tasks.base import Feeds, PipelineTask, TaskData
+from pipeline.tasks.base import PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT
+from pipeline.variants.base import Feeds
 from serving.model_runtime import ImageModelRuntime
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput, ModelSpec
 
@@ -44,7 +45,11 @@ class ImageClassification(PipelineTask):
     def prepare(self, loaded: LoadedRecipe, source: SourceModel, graph: ServingGraph, workdir: Path) -> TaskData:
         recipe = loaded.recipe
         spec_in = ImageInput(size=recipe.image.size, resize=recipe.image.resize)
-        class_names = source.class_names or load_class_names(loaded, getattr(recipe.source, "num_classes", None))
+        class_names = (
+            source.class_names
+            if source.class_names is not None
+            else load_class_names(loaded, getattr(recipe.source, "num_classes", None))
+        )
         names = workdir / CLASS_NAMES_FILE
         names.write_text(json.dumps(class_names))
         if recipe.source.kind == "train-digits":

@@ -14,8 +14,9 @@ from pipeline.export import TEXT_INPUTS, TEXT_OUTPUT, SentenceEmbeddingGraph, Se
 from pipeline.export_check import text_batches
 from pipeline.recipe import REQUESTS_FIELD, TextEmbeddingRecipe, request_texts
 from pipeline.students import distill_embeddings, layer_subset_student
-from pipeline.tasks.base import Feeds, PipelineTask, TaskData
+from pipeline.tasks.base import PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT
+from pipeline.variants.base import Feeds
 from serving.model_runtime import TextModelRuntime
 from serving.model_spec import TOKENIZER_FILE, ModelSpec, TextInput
 from serving.text import TextTokenizer, pad_batch

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import onnx
 
 from pipeline.datasets import Split
@@ -18,7 +19,7 @@ from serving.engine import EngineName
 if TYPE_CHECKING:
     from pipeline.tasks import PipelineTask
 
-Feeds = Callable[[list], dict]
+Feeds = Callable[[list], dict[str, np.ndarray]]  # rows → engine inputs
 CALIBRATION_BATCH = 8  # rows per calibration batch, for the ONNX-side quantizers
 
 
