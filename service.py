@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from serving import api
 from serving.classify import ImageClassifier
+from serving.door import Door, Guard, RefusalPacer
 from serving.embed import TextEmbedder
 from serving.manifest import load_manifest
 from serving.model_calls import batched_model
@@ -34,6 +35,8 @@ manifest = load_manifest()
 classify_route, embed_route = manifest.classify, manifest.embed
 if classify_route is None and embed_route is None:
     raise RuntimeError("the serving manifest routes no endpoint: nothing to serve")
+door_guards: dict[str, Guard] = {}  # filled once the models are loaded (serving/door.py)
+refusal_pacer = RefusalPacer.from_environment()
 ImageModel = model_service("ImageModel", "classify", classify_route)  # None unless the placement is `service`
 TextModel = model_service("TextModel", "embed", embed_route)
 
@@ -48,6 +51,7 @@ class Optiserve:
     text_model = bentoml.depends(TextModel) if TextModel is not None else None
     classifier: ImageClassifier | None = None  # set in __init__ where the manifest routes a model
     embedder: TextEmbedder | None = None
+    refusal_pacer = refusal_pacer
 
     def __init__(self) -> None:
         if classify_route is not None:
@@ -56,6 +60,7 @@ class Optiserve:
         if embed_route is not None:
             model = batched_model("embed", self.text_stored, embed_route, self.text_model)
             self.embedder = TextEmbedder.from_stored(self.text_stored, embed_route, model)
+        door_guards.update(api.door_guards(self))
         freeze_startup_heap()
 
     # The endpoints read their own bodies (serving/api.py): BentoML passes the declared fields unread.
@@ -81,4 +86,5 @@ class Optiserve:
         return await api.answer(ctx, api.embed_bulk, self)
 
 
+Optiserve.add_asgi_middleware(Door, guards=door_guards, pacer=refusal_pacer)
 Optiserve.add_asgi_middleware(AmendedOpenAPI, service=Optiserve)

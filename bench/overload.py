@@ -13,7 +13,11 @@ against one `bentoml serve` of the manifest's models:
 The workers' resident memory is sampled every second from before the flood to the end of the
 recovery: a flood must not leave memory behind (queues, buffers, connections).
 
-The SLO is the route's `max_latency_ms`, the deadline the service admits requests against.
+The SLO is the route's `max_latency_ms`, the deadline the service admits requests against;
+`--deadline-ms` has the flood's clients send a shorter one (X-Deadline-Ms), which the accepted
+requests are then held to: at the default deadline a flood of a few times the knee is usually
+admitted whole, and this shows the refusals. The flood's clients retry the instant they are
+answered, refused or not, the worst case for the service (serving/door.py paces refusals).
 A table, JSON and a timeline plot per endpoint go to reports/bench/.
 """
 
@@ -42,6 +46,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--factor", type=float, default=4.0, help="flood concurrency = factor × the knee's")
     parser.add_argument("--flood-concurrency", type=int, help="a fixed flood concurrency instead (e.g. 256)")
     parser.add_argument("--flood-s", type=float, default=60.0)
+    parser.add_argument(
+        "--deadline-ms", type=int, help="the flood's requests carry this X-Deadline-Ms, so that some are refused"
+    )
     parser.add_argument("--unloaded-s", type=float, default=10.0)
     parser.add_argument("--recovery-s", type=float, default=6.0)
     parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
@@ -66,9 +73,16 @@ class FloodResult:
 
 
 async def flood_then_recover(
-    url: str, requests: list, *, concurrency: int, bound_ms: float, supervisor: int, args: argparse.Namespace
+    url: str,
+    requests: list,
+    probes: list,
+    *,
+    concurrency: int,
+    bound_ms: float,
+    supervisor: int,
+    args: argparse.Namespace,
 ) -> FloodResult:
-    """The flood, then a lone client from the instant the flood's clients stop sending."""
+    """The flood (`requests`), then a lone client (`probes`) from the instant the flood's clients stop."""
     from loadtest.client import Pool
     from loadtest.generator import closed_loop
     from loadtest.stats import Recorder
@@ -92,7 +106,7 @@ async def flood_then_recover(
     await asyncio.sleep(args.flood_s)
     stop_flood.set()
     stopped = time.perf_counter()
-    probing = asyncio.create_task(closed_loop(probe_pool, requests, concurrency=1, stop=stop_probe, recorder=probe))
+    probing = asyncio.create_task(closed_loop(probe_pool, probes, concurrency=1, stop=stop_probe, recorder=probe))
     await asyncio.sleep(args.recovery_s)
     stop_probe.set()
     await asyncio.gather(flooding, probing)
@@ -222,11 +236,15 @@ def measure_endpoint(
         raise RuntimeError(f"{url}: no level within the SLO of {slo_ms} ms; nothing to flood")
     concurrency = args.flood_concurrency or max(1, round(args.factor * knee.level))
     print(f"flooding {url} at concurrency {concurrency} for {args.flood_s:g} s …", file=sys.stderr)
-    requests = post_requests(url, payloads)
+    deadline = {"X-Deadline-Ms": str(args.deadline_ms)} if args.deadline_ms else None
+    requests, probes = post_requests(url, payloads, deadline), post_requests(url, payloads)
     bound_ms = RECOVERED_WITHIN * unloaded.p99
     flood = uvloop.run(
-        flood_then_recover(url, requests, concurrency=concurrency, bound_ms=bound_ms, supervisor=supervisor, args=args)
+        flood_then_recover(
+            url, requests, probes, concurrency=concurrency, bound_ms=bound_ms, supervisor=supervisor, args=args
+        )
     )
+    slo_ms = min(slo_ms, args.deadline_ms or slo_ms)
     return {
         "slo_ms": slo_ms,
         "unloaded": asdict(unloaded),

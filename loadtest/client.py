@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Mapping
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -26,13 +27,20 @@ class ServerDisconnected(ConnectionError):
     """The server closed the connection before the whole response arrived."""
 
 
-def request_bytes(url: str, method: str = "GET", body: bytes = b"", content_type: str | None = None) -> bytes:
+def request_bytes(
+    url: str,
+    method: str = "GET",
+    body: bytes = b"",
+    content_type: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> bytes:
     """The whole request as it goes on the wire, built once and replayed."""
     parts = urlsplit(url)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     head = f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
     if content_type is not None:
         head += f"Content-Type: {content_type}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     if body or method != "GET":
         head += f"Content-Length: {len(body)}\r\n"
     return (head + "\r\n").encode("latin-1") + body

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import httptools
@@ -27,8 +27,8 @@ class Request:
     rows: int
 
 
-def post_requests(url: str, payloads: Sequence[Payload]) -> list[Request]:
-    return [Request(request_bytes(url, "POST", p.body, p.content_type), p.rows) for p in payloads]
+def post_requests(url: str, payloads: Sequence[Payload], headers: Mapping[str, str] | None = None) -> list[Request]:
+    return [Request(request_bytes(url, "POST", p.body, p.content_type, headers), p.rows) for p in payloads]
 
 
 async def send(pool: Pool, request: Request, recorder: Recorder, since: float) -> None:

@@ -29,12 +29,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from serving.classify import ImageClassifier, ImageUpload
+from serving.door import DEADLINE_HEADER, Guard, RefusalPacer, parse_deadline_ms
 from serving.embed import TextEmbedder, encode_base64_f16
 from serving.errors import (
     BodyTimeout,
     InputTooLarge,
     InvalidInput,
     ModelUnavailable,
+    Refused,
     RequestError,
     UnsupportedMediaType,
 )
@@ -50,6 +52,7 @@ class Front(Protocol):
 
     classifier: ImageClassifier | None
     embedder: TextEmbedder | None
+    refusal_pacer: RefusalPacer | None  # shared with serving/door.py
 
 
 MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
@@ -58,8 +61,6 @@ MAX_BULK_BODY_BYTES = 64 * 1024 * 1024
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
-DEADLINE_HEADER = "X-Deadline-Ms"
-MAX_DEADLINE_MS = 600_000
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
 INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
 
@@ -80,6 +81,10 @@ async def answer(
     status. BentoML sets an API's status and headers from its context: an error's go there."""
     try:
         return await endpoint(front, UNREAD_REQUEST.get())
+    except Refused as exc:
+        if front.refusal_pacer is not None:
+            await front.refusal_pacer.pace()
+        error = error_answer(exc)
     except Exception as exc:
         error = error_answer(exc)
     ctx.response.status_code = error.status
@@ -204,13 +209,7 @@ async def read_uploads(
 
 
 def client_deadline_ms(request: Request) -> float | None:
-    """The client's time budget for this request (X-Deadline-Ms), if it sent one."""
-    value = request.headers.get(DEADLINE_HEADER)
-    if value is None:
-        return None
-    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_DEADLINE_MS:
-        raise InvalidInput(f"{DEADLINE_HEADER} must be whole milliseconds from 1 to {MAX_DEADLINE_MS}, got {value!r}")
-    return float(value)
+    return parse_deadline_ms(request.headers.get(DEADLINE_HEADER))
 
 
 def resolve_top_k(request: Request, form: dict[str, str]) -> int:
@@ -222,6 +221,19 @@ def resolve_top_k(request: Request, form: dict[str, str]) -> int:
     if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_TOP_K:
         raise InvalidInput(f"top_k must be a whole number from 1 to {MAX_TOP_K}, got {raw!r}")
     return int(value)
+
+
+def door_guards(front: Front) -> dict[str, Guard]:
+    """What serving/door.py asks before a model endpoint's request goes further: its model's
+    queue, looked up at each request (a swapped model is asked, not the one of start-up)."""
+
+    def images(timeout_ms: float | None) -> Refused | None:
+        return front.classifier.model.refusal_at_door(timeout_ms) if front.classifier is not None else None
+
+    def texts(timeout_ms: float | None) -> Refused | None:
+        return front.embedder.model.refusal_at_door(timeout_ms) if front.embedder is not None else None
+
+    return {"/classify": images, "/classify_batch": images, "/embed": texts}
 
 
 def classifier(front: Front) -> ImageClassifier:

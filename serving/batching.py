@@ -146,43 +146,52 @@ class Batcher(Generic[Rows]):
         shorten the server's deadline, and binds even on an idle engine, where the server's does
         not. The reservation is returned when the block exits unsubmitted."""
         now = time.monotonic()
-        budget_ms = min(self.limits.max_latency_ms, timeout_ms or math.inf)
-        deadline = now + budget_ms / 1000
-        queue, speed = self._queue, self._speed
-        with queue.lock:
-            waiting = queue.queued_rows + queue.reserved_rows
-            if waiting and waiting + rows > self.limits.max_queue_rows:
-                raise self._refuse(
-                    QueueFull(
-                        f"the {self._metrics.endpoint} queue holds {waiting} rows, "
-                        f"its limit is {self.limits.max_queue_rows}",
-                        retry_after_s=self._drain_seconds(now),
-                    )
-                )
-            own_cost = rows * (speed.cost_per_row or 1.0)
-            ahead = self._drain_seconds(now)
-            finish = now + ahead + own_cost * (speed.seconds_per_cost or 0.0)
-            if finish > deadline:
-                if ahead == 0 and timeout_ms is None:
-                    # Too big for the server's deadline on an idle engine: refusing would not make
-                    # room for anyone, so it runs, as soon as it can, with no deadline to expire.
-                    deadline = math.inf
-                else:
-                    raise self._refuse(
-                        DeadlineUnmet(
-                            f"the {self._metrics.endpoint} model cannot answer within {budget_ms:.0f} ms: "
-                            f"about {1000 * (finish - now):.0f} ms of work would be ahead of its answer",
-                            retry_after_s=finish - deadline,
-                        )
-                    )
-            queue.reserved_rows += rows
-            queue.reserved_cost += own_cost
+        with self._queue.lock:
+            own_cost = rows * (self._speed.cost_per_row or 1.0)
+            refusal, deadline = self._judge(now, rows, own_cost, timeout_ms)
+            if refusal is not None:
+                raise self._refuse(refusal)
+            self._queue.reserved_rows += rows
+            self._queue.reserved_cost += own_cost
         admission = Admission(deadline=deadline, reserved_rows=rows, reserved_cost=own_cost)
         try:
             yield admission
         finally:
             if not admission.submitted:
                 self._release(admission)
+
+    def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None:
+        """The refusal even the smallest request (one row) would get now, counted; None to let the
+        request on to `admit`. Judged from the queue alone, so serving/door.py can ask before the
+        request has cost anything."""
+        now = time.monotonic()
+        with self._queue.lock:
+            refusal, _ = self._judge(now, 1, self._speed.cost_per_row or 1.0, timeout_ms)
+        return None if refusal is None else self._refuse(refusal)
+
+    def _judge(self, now: float, rows: int, own_cost: float, timeout_ms: float | None) -> tuple[Refused | None, float]:
+        """Why a request of `rows` rows (`own_cost` in engine units) cannot be let in now, if it
+        cannot, and else its deadline. Caller holds the lock."""
+        queue = self._queue
+        waiting = queue.queued_rows + queue.reserved_rows
+        if waiting and waiting + rows > self.limits.max_queue_rows:
+            limit = self.limits.max_queue_rows
+            message = f"the {self._metrics.endpoint} queue holds {waiting} rows, its limit is {limit}"
+            return QueueFull(message, retry_after_s=self._drain_seconds(now)), now
+        budget_ms = min(self.limits.max_latency_ms, timeout_ms or math.inf)
+        ahead = self._drain_seconds(now)
+        late = ahead + own_cost * (self._speed.seconds_per_cost or 0.0) - budget_ms / 1000
+        if late <= 0:
+            return None, now + budget_ms / 1000
+        if ahead == 0 and timeout_ms is None:
+            # Too big for the server's deadline on an idle engine: refusing would not make room for
+            # anyone, so it runs, as soon as it can, with no deadline to expire.
+            return None, math.inf
+        message = (
+            f"the {self._metrics.endpoint} model cannot answer within {budget_ms:.0f} ms: "
+            f"about {budget_ms + 1000 * late:.0f} ms of work would be ahead of its answer"
+        )
+        return DeadlineUnmet(message, retry_after_s=late), now
 
     def _drain_seconds(self, now: float) -> float:
         """Engine time until everything admitted so far has run. Caller holds the lock."""

@@ -15,6 +15,8 @@ latency:
 - `optiserve_refused_total{endpoint, model, reason}`: requests refused by admission control:
   `queue_full` (429), `deadline` (503 at the door: the queue ahead would make it late),
   `expired` (503 in the queue: admitted, but the queue ran slower than estimated).
+- `optiserve_refusals_held_total`: refusals held back by pacing before they were answered
+  (serving/door.py): clients retrying faster than OPTISERVE_REFUSALS_PER_S.
 
 With the models in BentoML model services (`OPTISERVE_MODEL_PLACEMENT=service`) BentoML's own
 batcher queues the requests and exposes no queue time through its public API, so the queue
@@ -39,6 +41,7 @@ QUEUE_METRIC = "optiserve_batch_queue_seconds"
 INFERENCE_METRIC = "optiserve_inference_seconds"
 ROWS_METRIC = "optiserve_batch_rows"
 REFUSED_METRIC = "optiserve_refused"  # prometheus_client appends _total
+HELD_METRIC = "optiserve_refusals_held"
 LABELS = ("endpoint", "model")
 # Sub-millisecond to tens of seconds: queue waits on a busy CPU span that whole range.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -51,6 +54,7 @@ class Instruments:
     inference: Any
     rows: Any
     refused: Any
+    held: Any
 
 
 @cache
@@ -67,7 +71,12 @@ def instruments() -> Instruments:
             ROWS_METRIC, "Rows per batch (BentoML's adaptive_batch_size counts requests)", LABELS, buckets=ROWS_BUCKETS
         ),
         refused=Counter(REFUSED_METRIC, "Requests refused by admission control", (*LABELS, "reason")),
+        held=Counter(HELD_METRIC, "Refusals held back by pacing before they were answered"),
     )
+
+
+def count_held_refusal() -> None:
+    instruments().held.inc()
 
 
 class ModelMetrics:

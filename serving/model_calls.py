@@ -35,6 +35,7 @@ import numpy as np
 
 from serving.batching import Admission, Batcher, BatchLimits
 from serving.engine import EngineSettings
+from serving.errors import Refused
 from serving.manifest import Route
 from serving.metrics import ModelMetrics
 from serving.model_runtime import load_runtime
@@ -50,6 +51,8 @@ Out = TypeVar("Out")
 
 class BatchedModel(Protocol):
     def admit(self, rows: int, *, timeout_ms: float | None = None) -> AbstractContextManager[Admission]: ...
+
+    def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None: ...
 
     async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray: ...
 
@@ -90,6 +93,9 @@ class RemoteModel:
     @contextmanager
     def admit(self, rows: int, *, timeout_ms: float | None = None) -> Iterator[Admission]:
         yield Admission(deadline=math.inf, reserved_rows=0, reserved_cost=0.0)
+
+    def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None:
+        return None
 
     async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray:
         return await self.run_bulk(rows)

@@ -35,3 +35,9 @@ def body_timeout_s() -> float:
     """Seconds a request body may take to arrive before it is answered 408: a client that trickles
     its upload holds a connection and, for /classify, a place in the queue. `OPTISERVE_BODY_TIMEOUT_S`."""
     return float(os.environ.get("OPTISERVE_BODY_TIMEOUT_S", "30"))
+
+
+def refusals_per_s() -> float:
+    """Refusals a worker answers at once per second, on average (serving/door.py); past it they
+    are held until their turn. `OPTISERVE_REFUSALS_PER_S`; 0 answers every refusal at once."""
+    return float(os.environ.get("OPTISERVE_REFUSALS_PER_S", "200"))

@@ -148,6 +148,14 @@ def test_pool_reuses_connections_and_replaces_closed_or_timed_out_ones(tiny_serv
     assert uvloop.run(fetch(f"{tiny_server.url}/metrics", timeout=5)) == (200, b"# GET /metrics\n")
 
 
+def test_requests_carry_the_headers_asked_for_on_every_replay() -> None:
+    (request,) = post_requests("http://h:1/embed", [directives()], {"X-Deadline-Ms": "50"})
+    head, _, body = request.data.partition(b"\r\n\r\n")
+
+    assert head.split(b"\r\n")[0] == b"POST /embed HTTP/1.1"
+    assert b"\r\nX-Deadline-Ms: 50" in head and int(head.split(b"Content-Length: ")[1]) == len(body)
+
+
 def test_failures_are_counted_by_name() -> None:
     url = f"http://127.0.0.1:{free_port()}/nothing-listens"
     recorder = Recorder()

@@ -339,6 +339,36 @@ def test_a_flood_gets_answers_or_fast_refusals_with_retry_after_and_the_service_
         assert client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG).status_code == 200
 
 
+def held_refusals(client: httpx.Client) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return sum(s.value for f in families for s in f.samples if s.name == "optiserve_refusals_held_total")
+
+
+def test_clients_that_retry_faster_than_the_refusal_rate_are_held_and_still_get_the_refusal(server) -> None:
+    """120 refusals at once against the default 200/s with a 40-refusal burst: the excess is held."""
+    photo = sample_photos()["chelsea"]
+    with server.client() as client:
+        assert client.post("/classify", content=photo, headers=JPEG).status_code == 200  # the engine's speed, measured
+        held_before, refused_before = held_refusals(client), refusals(client, "classify").get("deadline", 0.0)
+
+    async def storm() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            hopeless = {**JPEG, "X-Deadline-Ms": "1"}
+            posts = (client.post("/classify", content=photo, headers=hopeless) for _ in range(120))
+            return await asyncio.gather(*posts)
+
+    responses = asyncio.run(storm())
+
+    assert {(r.status_code, r.json()["type"]) for r in responses} == {(503, "overloaded")}
+    assert all(r.headers["retry-after"].isdigit() for r in responses)
+    with server.client() as client:
+        assert held_refusals(client) > held_before
+        assert refusals(client, "classify").get("deadline", 0.0) == refused_before + 120
+        assert client.post("/classify", content=photo, headers=JPEG).status_code == 200
+
+
 def test_models_in_their_own_services_answer_as_in_process(server, model_services_server) -> None:
     texts = ["A cat sleeps on the sofa.", "The stock market fell sharply today.", "hello"]
     answers = []

@@ -1,0 +1,147 @@
+"""The door: overload refused before the app sees the request, and refusals paced under a storm."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from serving.door import MAX_HOLD_S, Door, RefusalPacer
+from serving.errors import DeadlineUnmet, QueueFull, Refused
+from tests.test_batching import RecordingModel, make_batcher, sample, submit
+
+
+class App:
+    """The app behind the door: records what reached it."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"served"})
+
+
+def door_client(guard, *, pacer: RefusalPacer | None = None) -> tuple[httpx.AsyncClient, App]:
+    app = App()
+    door = Door(app, guards={"/classify": guard}, pacer=pacer)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=door), base_url="http://door"), app
+
+
+def full_queue(timeout_ms: float | None) -> Refused:
+    return QueueFull("the test queue holds 64 rows, its limit is 64", retry_after_s=2.2)
+
+
+def test_a_refused_request_never_reaches_the_app_and_gets_the_services_error_body() -> None:
+    async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response, list[str]]:
+        client, app = door_client(full_queue)
+        async with client:
+            refused = await client.post("/classify", content=b"\xff\xd8 a photo")
+            other_path = await client.post("/embed", json={"texts": ["hi"]})
+            not_a_post = await client.get("/classify")
+        return refused, other_path, not_a_post, app.seen
+
+    refused, other_path, not_a_post, seen = asyncio.run(scenario())
+
+    assert refused.status_code == 429
+    assert refused.json() == {"error": "the test queue holds 64 rows, its limit is 64", "type": "queue_full"}
+    assert refused.headers["retry-after"] == "3" and refused.headers["content-type"] == "application/json"
+    assert other_path.text == not_a_post.text == "served"
+    assert seen == ["/embed", "/classify"]
+
+
+def test_the_guard_is_asked_with_the_clients_deadline_and_a_malformed_one_is_left_to_the_handler() -> None:
+    asked: list[float | None] = []
+
+    def guard(timeout_ms: float | None) -> None:
+        asked.append(timeout_ms)
+
+    async def scenario() -> list[str]:
+        client, app = door_client(guard)
+        async with client:
+            for headers in ({"X-Deadline-Ms": "250"}, {}, {"X-Deadline-Ms": "soon"}):
+                assert (await client.post("/classify", content=b"x", headers=headers)).text == "served"
+        return app.seen
+
+    assert asyncio.run(scenario()) == ["/classify"] * 3
+    assert asked == [250.0, None, None]
+
+
+def test_a_burst_of_refusals_is_answered_at_once_and_a_sustained_excess_waits_its_turn_in_order() -> None:
+    pacer = RefusalPacer(100, burst=5)  # 10 ms apart on average
+
+    at_once = [pacer.delay(1000.0) for _ in range(5)]
+    excess = [pacer.delay(1000.0) for _ in range(3)]
+
+    assert at_once == [0.0] * 5
+    assert excess == pytest.approx([0.01, 0.02, 0.03])
+    assert pacer.delay(1001.0) == 0.0  # a second later the bucket has refilled
+
+
+def test_a_refusal_is_held_no_longer_than_the_cap() -> None:
+    pacer = RefusalPacer(1, burst=1)
+
+    delays = [pacer.delay(0.0) for _ in range(20)]
+
+    assert max(delays) == MAX_HOLD_S
+
+
+def test_refusals_past_the_rate_are_held_and_counted_while_a_client_that_waits_sees_none() -> None:
+    held: list[None] = []
+    pacer = RefusalPacer(50, burst=2, on_hold=lambda: held.append(None))
+
+    async def storm() -> tuple[list[float], float]:
+        client, _ = door_client(full_queue, pacer=pacer)
+        async with client:
+
+            async def timed() -> float:
+                started = time.perf_counter()
+                assert (await client.post("/classify", content=b"x")).status_code == 429
+                return time.perf_counter() - started
+
+            storm = await asyncio.gather(*(timed() for _ in range(12)))
+            await asyncio.sleep(0.3)  # a client honouring Retry-After comes back later
+            return sorted(storm), await timed()
+
+    storm, patient = asyncio.run(storm())
+
+    assert len(held) == 10
+    assert storm[-1] >= 10 * 0.02 * 0.9, storm  # the last of the excess waited its turn at 50/s
+    assert patient < 0.05
+
+
+def test_the_batchers_door_check_judges_the_queue_alone_and_counts_its_refusals() -> None:
+    """One request of 0.1 s runs; a 120 ms deadline leaves no room for another, a 1 s one does."""
+    batcher = make_batcher(RecordingModel(seconds_per_batch=0.1), endpoint="door-check", max_batch_size=1)
+
+    async def scenario() -> tuple[object, ...]:
+        await submit(batcher, np.ones((1, 1)))  # the batcher learns the engine's speed
+        idle = batcher.refusal_at_door(120)
+        running = asyncio.ensure_future(submit(batcher, np.ones((1, 1))))
+        await asyncio.sleep(0.01)
+        checks = batcher.refusal_at_door(120), batcher.refusal_at_door(1000), batcher.refusal_at_door(None)
+        await running
+        return idle, *checks
+
+    idle, tight, loose, servers = asyncio.run(scenario())
+
+    assert idle is None and loose is None and servers is None
+    assert isinstance(tight, DeadlineUnmet) and "within 120 ms" in tight.message
+    assert sample("optiserve_refused_total", "door-check", reason="deadline") == 1
+
+
+def test_the_batchers_door_check_refuses_when_the_queue_is_full() -> None:
+    batcher = make_batcher(RecordingModel(seconds_per_batch=0.05), endpoint="door-full", max_queue_rows=2)
+
+    async def scenario() -> Refused | None:
+        with batcher.admit(2):
+            return batcher.refusal_at_door()
+
+    refusal = asyncio.run(scenario())
+
+    assert isinstance(refusal, QueueFull) and refusal.status == 429
+    assert refusal.to_json()["type"] == "queue_full"
