@@ -17,7 +17,8 @@ The SLO is the route's `max_latency_ms`, the deadline the service admits request
 `--deadline-ms` has the flood's clients send a shorter one (X-Deadline-Ms), which the accepted
 requests are then held to: at the default deadline a flood of a few times the knee is usually
 admitted whole, and this shows the refusals. The flood's clients retry the instant they are
-answered, refused or not, the worst case for the service (serving/door.py paces refusals).
+answered, refused or not, the worst case for the service (serving/door.py paces refusals);
+with `--honour-retry-after` a refused client waits as long as its Retry-After asks first.
 A table, JSON and a timeline plot per endpoint go to reports/bench/.
 """
 
@@ -48,6 +49,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--flood-s", type=float, default=60.0)
     parser.add_argument(
         "--deadline-ms", type=int, help="the flood's requests carry this X-Deadline-Ms, so that some are refused"
+    )
+    parser.add_argument(
+        "--honour-retry-after", action="store_true", help="a refused flood client waits its Retry-After, as SDKs do"
     )
     parser.add_argument("--unloaded-s", type=float, default=10.0)
     parser.add_argument("--recovery-s", type=float, default=6.0)
@@ -101,7 +105,14 @@ async def flood_then_recover(
     await sample_rss_once(rss, started, supervisor)  # before the first request
     sampling = asyncio.create_task(sample_rss())
     flooding = asyncio.create_task(
-        closed_loop(flood_pool, requests, concurrency=concurrency, stop=stop_flood, recorder=flood)
+        closed_loop(
+            flood_pool,
+            requests,
+            concurrency=concurrency,
+            stop=stop_flood,
+            recorder=flood,
+            honour_retry_after=args.honour_retry_after,
+        )
     )
     await asyncio.sleep(args.flood_s)
     stop_flood.set()

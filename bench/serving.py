@@ -183,6 +183,7 @@ def run_record(args: argparse.Namespace, manifest: Path) -> dict[str, Any]:
     return {
         "machine": machine(),
         "settings": vars(args) | {"manifest": str(manifest)},
+        "server_settings": {name: value for name, value in os.environ.items() if name.startswith("OPTISERVE_")},
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 

@@ -21,6 +21,7 @@ import httptools
 class Response(NamedTuple):
     status: int
     body: bytes
+    retry_after: str | None = None  # the one header a load test acts on: when a refused client may return
 
 
 class ServerDisconnected(ConnectionError):
@@ -54,6 +55,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[Response] | None = None
         self.body: list[bytes] = []
+        self.retry_after: str | None = None
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -70,6 +72,10 @@ class Connection(asyncio.Protocol):
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(exc or ServerDisconnected("connection closed before the response ended"))
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 11 and name.lower() == b"retry-after":
+            self.retry_after = value.decode("latin-1")
+
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
@@ -77,7 +83,8 @@ class Connection(asyncio.Protocol):
         if not self.parser.should_keep_alive():
             self.close()
         if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(Response(self.parser.get_status_code(), b"".join(self.body)))
+            response = Response(self.parser.get_status_code(), b"".join(self.body), self.retry_after)
+            self.waiter.set_result(response)
 
     def fail(self, exc: BaseException) -> None:
         """Give up on the connection: a response that may still come would answer the next request."""
@@ -97,7 +104,7 @@ class Connection(asyncio.Protocol):
         if self.transport is None:
             raise RuntimeError("request on a connection that was never made: open it with connect()")
         loop = asyncio.get_running_loop()
-        self.waiter, self.body = loop.create_future(), []
+        self.waiter, self.body, self.retry_after = loop.create_future(), [], None
         timer = loop.call_later(timeout, self.fail, TimeoutError())
         self.transport.write(data)
         try:

@@ -8,6 +8,7 @@ cores it shares with the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
@@ -20,6 +21,8 @@ from loadtest.client import Pool, request_bytes
 from loadtest.inputs import Payload
 from loadtest.stats import Outcome, Recorder
 
+REFUSALS = (429, 503)
+
 
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -31,27 +34,48 @@ def post_requests(url: str, payloads: Sequence[Payload], headers: Mapping[str, s
     return [Request(request_bytes(url, "POST", p.body, p.content_type, headers), p.rows) for p in payloads]
 
 
-async def send(pool: Pool, request: Request, recorder: Recorder, since: float) -> None:
-    """One request; latency runs from `since` (the send time, or the scheduled arrival in open loop)."""
+async def send(pool: Pool, request: Request, recorder: Recorder, since: float) -> float | None:
+    """One request; latency runs from `since` (the send time, or the scheduled arrival in open loop).
+    Returns the seconds a refusal (429, 503) asked the client to wait, if it was one."""
+    wait = None
     try:
-        status = str((await pool.request(request.data)).status)
+        response = await pool.request(request.data)
+        status = str(response.status)
+        if response.status in REFUSALS:
+            wait = retry_after_s(response.retry_after)
     except TimeoutError:
         status = "timeout"
     except (OSError, httptools.HttpParserError) as exc:
         status = type(exc).__name__
     finished = time.perf_counter()
     recorder.add(Outcome(finished=finished, latency=finished - since, status=status, rows=request.rows))
+    return wait
+
+
+def retry_after_s(value: str | None) -> float:
+    """Retry-After in seconds (RFC 9110: whole seconds; a date or junk counts as 1 s)."""
+    return float(value) if value is not None and value.isdigit() else 1.0
 
 
 async def closed_loop(
-    pool: Pool, requests: Sequence[Request], *, concurrency: int, stop: asyncio.Event, recorder: Recorder
+    pool: Pool,
+    requests: Sequence[Request],
+    *,
+    concurrency: int,
+    stop: asyncio.Event,
+    recorder: Recorder,
+    honour_retry_after: bool = False,
 ) -> None:
-    """`concurrency` workers, each sending its next request as soon as the last one answered."""
+    """`concurrency` workers, each sending its next request as soon as the last one answered, or,
+    `honour_retry_after`, after a refusal, once its Retry-After has passed (or the load stops)."""
     order = itertools.cycle(requests)
 
     async def worker() -> None:
         while not stop.is_set():
-            await send(pool, next(order), recorder, time.perf_counter())
+            wait = await send(pool, next(order), recorder, time.perf_counter())
+            if wait is not None and honour_retry_after:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 

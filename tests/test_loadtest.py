@@ -22,7 +22,7 @@ from tiny_http import directives
 from bench.processes import free_port
 from loadtest.capacity import Point, capacity_plan, find_knee
 from loadtest.client import Pool, fetch, request_bytes
-from loadtest.generator import open_loop, post_requests, send
+from loadtest.generator import closed_loop, open_loop, post_requests, send
 from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
 from loadtest.server_metrics import INFERENCE, QUEUE, ROWS, breakdown, endpoint_label, parse
 from loadtest.stats import Outcome, Recorder, is_stable, percentile, summarize
@@ -145,7 +145,7 @@ def test_pool_reuses_connections_and_replaces_closed_or_timed_out_ones(tiny_serv
     assert answers[0].body == b'{"n": 0}'
     assert answers[4].body == json.dumps({"chunked": True, "pad": "x" * 1000}).encode(), "chunks joined"
     assert len(tiny_server.connections) == 3, "one until the server closed it, one until the timeout, one after"
-    assert uvloop.run(fetch(f"{tiny_server.url}/metrics", timeout=5)) == (200, b"# GET /metrics\n")
+    assert uvloop.run(fetch(f"{tiny_server.url}/metrics", timeout=5))[:2] == (200, b"# GET /metrics\n")
 
 
 def test_requests_carry_the_headers_asked_for_on_every_replay() -> None:
@@ -154,6 +154,30 @@ def test_requests_carry_the_headers_asked_for_on_every_replay() -> None:
 
     assert head.split(b"\r\n")[0] == b"POST /embed HTTP/1.1"
     assert b"\r\nX-Deadline-Ms: 50" in head and int(head.split(b"Content-Length: ")[1]) == len(body)
+
+
+@pytest.mark.parametrize(("honour", "at_most"), [(True, 4), (False, None)])
+def test_a_client_honouring_retry_after_waits_before_its_next_request(tiny_server, honour, at_most) -> None:
+    """Two clients for 1.5 s, every answer a 503 with Retry-After: 1."""
+    url = tiny_server.url + "/refuse"
+    requests = post_requests(url, [directives(status=503, retry_after="1")])
+    recorder = Recorder()
+
+    async def load() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(1.5, stop.set)
+        await closed_loop(
+            Pool(url, timeout=5), requests, concurrency=2, stop=stop, recorder=recorder, honour_retry_after=honour
+        )
+
+    uvloop.run(load())
+
+    statuses = {o.status for o in recorder.outcomes}
+    assert statuses == {"503"}
+    if at_most is not None:
+        assert len(recorder.outcomes) <= at_most
+    else:
+        assert len(recorder.outcomes) > 20
 
 
 def test_failures_are_counted_by_name() -> None:

@@ -1,7 +1,8 @@
 """A tiny HTTP/1.1 server on a real socket, in a thread of its own, for testing load clients.
 
 A POST body is a JSON object of directives: `status` (default 200), `sleep` (seconds before
-answering), `close` (answer with `Connection: close`), `chunked` (a chunked answer); the
+answering), `close` (answer with `Connection: close`), `chunked` (a chunked answer),
+`retry_after` (a Retry-After header's value); the
 answer echoes the body. A GET answers 200 with `# GET <path>` (a comment to a Prometheus parser).
 The server counts connections and records every request, so tests can check keep-alive reuse
 and which bodies were sent.
@@ -71,8 +72,17 @@ class TinyServer:
             loop.close()
 
 
-def answer(body: bytes, *, status: int = 200, close: bool = False, chunked: bool = False, **_: object) -> bytes:
+def answer(
+    body: bytes,
+    *,
+    status: int = 200,
+    close: bool = False,
+    chunked: bool = False,
+    retry_after: str | None = None,
+    **_: object,
+) -> bytes:
     head = f"HTTP/1.1 {status} Whatever\r\n" + ("Connection: close\r\n" if close else "")
+    head += f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
     if not chunked:
         return f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
     half = len(body) // 2
