@@ -225,17 +225,15 @@ class ModelMonitor:
         window: int | None = None,
         interval_s: float | None = None,
     ) -> None:
-        found = _instruments()
-        labels = {"endpoint": endpoint, "model": model}
-        self._labels = labels
-        self._histograms = {name: found[name].labels(**labels) for name in STATISTICS}
-        self._predictions, self._class_names, self._classes = found["predictions"], class_names, {}
+        self._labels = {"endpoint": endpoint, "model": model}
+        self._instruments = _instruments()
+        self._histograms: dict[str, Any] = {}  # children made on first use: only the task's statistics show
+        self._class_names = class_names
+        self._classes: dict[int, Any] = {}
         self._reference = reference
         self._centroid = None if reference is None or reference.centroid is None else np.asarray(reference.centroid)
         size = window or drift_window()
-        statistics = reference.statistics if reference is not None else {}
-        self._windows = {name: Window(size) for name in statistics}
-        self._drift = {name: found["drift"].labels(**labels, statistic=name) for name in statistics}
+        self._windows = {name: Window(size) for name in (reference.statistics if reference is not None else ())}
         self._interval_s = drift_interval_s() if interval_s is None else interval_s
         self._due = 0.0
 
@@ -270,14 +268,16 @@ class ModelMonitor:
         child = self._classes.get(class_id)
         if child is None:
             label = self._class_names[class_id] if class_id < len(self._class_names) else str(class_id)
-            child = self._classes[class_id] = self._predictions.labels(
+            child = self._classes[class_id] = self._instruments["predictions"].labels(
                 **self._labels, class_id=str(class_id), label=label
             )
         return child
 
     def _record(self, statistics: dict[str, np.ndarray]) -> None:
         for name, values in statistics.items():
-            histogram = self._histograms[name]
+            histogram = self._histograms.get(name)
+            if histogram is None:
+                histogram = self._histograms[name] = self._instruments[name].labels(**self._labels)
             for value in values.tolist():
                 histogram.observe(value)
             if name in self._windows:
@@ -288,12 +288,13 @@ class ModelMonitor:
             self.update_drift()
 
     def update_drift(self) -> dict[str, float]:
-        """Each full window's PSI against the reference, exported and returned."""
+        """Each full window's PSI against the reference, exported and returned; a score's gauge
+        appears only then: at 0 before, it would say "no drift"."""
         scores = {
             name: self._reference.statistics[name].psi(window.values())
             for name, window in self._windows.items()
             if window.full
         }
         for name, score in scores.items():
-            self._drift[name].set(score)
+            self._instruments["drift"].labels(**self._labels, statistic=name).set(score)
         return scores
