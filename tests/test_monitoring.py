@@ -208,6 +208,8 @@ def drift(server) -> Iterator[dict[str, dict[str, float]]]:
         scores["normal texts"] = drift_scores(client, "embed")
         embed_all(client, long_texts)
         scores["long texts"] = drift_scores(client, "embed")
+    for inputs, found in scores.items():
+        print(f"drift after {DRIFT_WINDOW} {inputs}: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items()))
     yield scores
 
 
