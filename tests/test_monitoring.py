@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -193,7 +192,7 @@ def views(dim: float | None = None) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def drift(server) -> Iterator[dict[str, dict[str, float]]]:
+def drift(server) -> dict[str, dict[str, float]]:
     """A window of normal inputs, then one of shifted inputs, per endpoint: the scores after each."""
     sentences = corpus_sentences()
     normal_texts = sentences[3::8][:DRIFT_WINDOW]  # the corpus the reference comes from, not its sentences
@@ -210,7 +209,7 @@ def drift(server) -> Iterator[dict[str, dict[str, float]]]:
         scores["long texts"] = drift_scores(client, "embed")
     for inputs, found in scores.items():
         print(f"drift after {DRIFT_WINDOW} {inputs}: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items()))
-    yield scores
+    return scores
 
 
 @pytest.mark.slow
