@@ -21,12 +21,13 @@ from pipeline.recipe import LoadedRecipe, Recipe
 from pipeline.registry import RECIPE_HASH, find_selected, register
 from pipeline.sources import load_source
 from pipeline.tasks import TASKS, PipelineTask, TaskData
-from pipeline.tuning import Candidate, Predict, judge_slices, tune
+from pipeline.tuning import HELD_OUT, Candidate, Predict, judge_slices, tune
 from pipeline.variants import KINDS, VariantInputs
 from serving.engine import ENGINE_LABEL, EngineName, EngineSettings, available_providers, open_engine
 from serving.manifest import Route
 from serving.model_runtime import onnx_runtime
 from serving.model_spec import ONNX_FILE, SPEC_KEY
+from serving.monitoring import MONITORING_KEY
 
 # Bump when export or registration changes what an unchanged recipe produces.
 EXPORT_REVISION = "3"
@@ -143,7 +144,9 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             training=data.training,
             student=recipe.student,
         )
-        candidates = tune_variants(recipe, inputs, data, settings, step)
+        predict = _predictor(data, settings)
+        reference = predict(inputs.fp32, "onnxruntime")
+        candidates = tune_variants(recipe, inputs, data, predict, reference, step)
         step("profiling (interleaved): " + ", ".join(c.variant for c in candidates if c.accepted) + ", PyTorch eager")
         eager = profile_candidates(candidates, task, graph, data, recipe, settings, slo_ms)
         candidates = [_fp16_on_cpu_only(c, candidates[0]) for c in candidates]
@@ -158,6 +161,9 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             "source": recipe.source.model_dump(mode="json"),
             "export_check": check.as_metadata(),
             "versions": {"torch": str(torch.__version__), "onnx": onnx.__version__},
+            MONITORING_KEY: task.monitoring_reference(
+                HELD_OUT, data.evaluation[HELD_OUT], reference[HELD_OUT]
+            ).model_dump(mode="json", exclude_none=True),
         }
         selection = {
             "batching": batching.model_dump(),
@@ -175,11 +181,15 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
 
 
 def tune_variants(
-    recipe: Recipe, inputs: VariantInputs, data: TaskData, settings: EngineSettings, step: Step
+    recipe: Recipe,
+    inputs: VariantInputs,
+    data: TaskData,
+    predict: Predict,
+    reference: dict[str, np.ndarray],
+    step: Step,
 ) -> list[Candidate]:
-    """FP32 as the reference, then each requested kind tuned against the budget, in recipe order."""
-    predict = _predictor(data, settings)
-    reference = predict(inputs.fp32, "onnxruntime")
+    """FP32 (`reference`: its outputs per evaluation slice) as the reference, then each requested
+    kind tuned against the budget, in recipe order."""
     labels = {name: split.labels for name, split in data.evaluation.items()}
     candidates = [
         Candidate(

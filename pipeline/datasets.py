@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from sample_inputs import corpus_sentences, digit_images, sample_photos
-from serving.classify import ImageUpload, prepare_image
+from serving.classify import ImageUpload, prepare_sized_image
 from serving.images import decode_image
 from serving.model_spec import ImageInput
 
@@ -35,10 +35,12 @@ PERTURBED_DIGIT_COPIES = 4  # 1 800 moved digits: a 1-point budget needs that ma
 
 @dataclass(frozen=True)
 class Split:
-    """Model-ready rows (uint8 images or token-id lists), plus labels when the data has them."""
+    """Model-ready rows (uint8 images or token-id lists), plus labels when the data has them and,
+    for images decoded from files, each one's (width, height) before resizing."""
 
     rows: list
     labels: np.ndarray | None = None
+    sizes: list[tuple[int, int]] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -86,14 +88,14 @@ def photo_split(spec: ImageInput, part: PhotoSlice) -> Split:
     """Seeded random views of the part's photos, decoded and resized through the request path."""
     rng = np.random.default_rng(list(VIEWS_PER_PHOTO).index(part))
     view = perturbed_view if part == "perturbed" else random_view
-    rows = []
+    prepared = []
     for name, data in sample_photos().items():
         if (name in CALIBRATION_PHOTOS) != (part == "calibration"):
             continue
         image = decode_image(data)
         for index in range(VIEWS_PER_PHOTO[part]):
-            rows.append(prepare_image(ImageUpload(view(image, rng), None, f"{name}:{index}"), spec))
-    return Split(rows)
+            prepared.append(prepare_sized_image(ImageUpload(view(image, rng), None, f"{name}:{index}"), spec))
+    return Split([pixels for pixels, _ in prepared], sizes=[size for _, size in prepared])
 
 
 TextPart = Literal["calibration", "evaluation", "profiling", "training"]

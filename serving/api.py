@@ -33,6 +33,7 @@ from serving.door import DEADLINE_HEADER, Guard, RefusalPacer, parse_deadline_ms
 from serving.embed import TextEmbedder, encode_base64_f16
 from serving.errors import (
     BodyTimeout,
+    InferenceFailed,
     InputTooLarge,
     InvalidInput,
     ModelUnavailable,
@@ -41,6 +42,7 @@ from serving.errors import (
     UnsupportedMediaType,
 )
 from serving.images import DEFAULT_MAX_BYTES
+from serving.metrics import count_error
 from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
 from serving.settings import body_timeout_s
 
@@ -87,6 +89,7 @@ async def answer(
         error = error_answer(exc)
     except Exception as exc:
         error = error_answer(exc)
+        record_error(front, endpoint.__name__, exc, error)
     ctx.response.status_code = error.status
     ctx.response.headers.update(error.headers)
     return JSONResponse(error.body, status_code=error.status)
@@ -104,6 +107,31 @@ def error_answer(exc: Exception) -> ErrorAnswer:
         return ErrorAnswer(HTTPStatus.BAD_REQUEST, {"error": "the client went away", "type": "client_disconnect"})
     logger.error("internal error while serving the request", exc_info=exc)
     return ErrorAnswer(HTTPStatus.INTERNAL_SERVER_ERROR, INTERNAL_ERROR)
+
+
+def error_class(exc: Exception, status: int) -> str:
+    """An error answer's class in `optiserve_errors_total` (serving/metrics.py)."""
+    if isinstance(exc, BentoMLException) and status == HTTPStatus.SERVICE_UNAVAILABLE:
+        return "overload"  # a model service's batcher shed it: the `service` placement's refusal
+    if isinstance(exc, InferenceFailed) or (isinstance(exc, BentoMLException) and status >= 500):
+        return "inference"
+    if status == HTTPStatus.REQUEST_TIMEOUT:
+        return "timeout"
+    return "request" if status < 500 else "internal"
+
+
+def record_error(front: Front, api: str, exc: Exception, error: ErrorAnswer) -> None:
+    """Counts an error answer of the API named `api` against its model (serving/metrics.py)."""
+    endpoint = "embed" if api.startswith("embed") else "classify"
+    model = front.embedder if endpoint == "embed" else front.classifier
+    count_error(
+        endpoint=endpoint,
+        model=model.tag if model is not None else "none",
+        api=api,
+        error_class=error_class(exc, error.status),
+        status=error.status,
+        kind=error.body["type"],
+    )
 
 
 def invalid_body(exc: ValidationError) -> ErrorAnswer:

@@ -36,7 +36,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from serving.errors import DeadlineExpired, DeadlineUnmet, QueueFull, Refused
+from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull, Refused
 from serving.metrics import ModelMetrics
 from serving.text import padded_tokens_bound
 
@@ -373,7 +373,8 @@ class Batcher(Generic[Rows]):
         try:
             outputs = self._predict(_merge([piece.rows for piece in batch]))
         except Exception as exc:  # reaches every caller of this batch, and nothing else
-            error = exc
+            error = InferenceFailed(f"the {self._metrics.endpoint} engine failed on a batch of {rows} rows")
+            error.__cause__ = exc
         elapsed = time.perf_counter() - started
         cost = sum(piece.cost for piece in batch)
         with self._queue.lock:

@@ -20,6 +20,7 @@ from serving.manifest import Route
 from serving.model_calls import BatchedModel
 from serving.model_runtime import read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
+from serving.monitoring import ModelMonitor
 from serving.schemas import Prediction
 
 
@@ -34,11 +35,16 @@ def load_class_names(model_dir: Path) -> list[str]:
     return json.loads((model_dir / CLASS_NAMES_FILE).read_text())
 
 
-def prepare_image(upload: ImageUpload, spec: ImageInput) -> np.ndarray:
-    """Bytes to the model's uint8 HWC input: the path every request and every evaluation takes."""
+def prepare_sized_image(upload: ImageUpload, spec: ImageInput) -> tuple[np.ndarray, tuple[int, int]]:
+    """Bytes to the model's uint8 HWC input, the path every request and every evaluation takes,
+    with the decoded image's (width, height), which monitoring records."""
     check_content_type(upload.content_type, name=upload.name)
     image = decode_image(upload.data, name=upload.name)
-    return resize_center_crop(image, resize=spec.resize, crop=spec.size)
+    return resize_center_crop(image, resize=spec.resize, crop=spec.size), image.size
+
+
+def prepare_image(upload: ImageUpload, spec: ImageInput) -> np.ndarray:
+    return prepare_sized_image(upload, spec)[0]
 
 
 def top_k_predictions(probabilities: np.ndarray, class_names: Sequence[str], k: int) -> list[Prediction]:
@@ -55,16 +61,19 @@ class ImageClassifier:
     model: BatchedModel
     max_items_per_request: int
     tag: str  # the stored model's, named in every answer
+    monitor: ModelMonitor | None = None
 
     @classmethod
     def from_stored(cls, stored: bentoml.Model, route: Route, model: BatchedModel) -> ImageClassifier:
         """The classifier of a stored model: its input spec and class names are stored with it."""
+        class_names = load_class_names(Path(stored.path))
         return cls(
             spec=read_spec(stored.info.metadata).image,
-            class_names=load_class_names(Path(stored.path)),
+            class_names=class_names,
             model=model,
             max_items_per_request=route.max_items_per_request,
             tag=str(stored.tag),
+            monitor=ModelMonitor.of_stored("classify", stored, class_names),
         )
 
     def admit(self, images: int, *, timeout_ms: float | None = None) -> AbstractContextManager[Admission]:
@@ -79,8 +88,11 @@ class ImageClassifier:
     async def classify(self, uploads: list[ImageUpload], top_k: int, admission: Admission) -> list[list[Prediction]]:
         if top_k < 1:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
-        pixels = await asyncio.gather(
-            *(anyio.to_thread.run_sync(prepare_image, upload, self.spec) for upload in uploads)
+        prepared = await asyncio.gather(
+            *(anyio.to_thread.run_sync(prepare_sized_image, upload, self.spec) for upload in uploads)
         )
-        probabilities = await self.model.run(np.stack(pixels), admission)
+        pixels = np.stack([image for image, _ in prepared])
+        probabilities = await self.model.run(pixels, admission)
+        if self.monitor is not None:
+            self.monitor.observe_classifications([size for _, size in prepared], pixels, probabilities)
         return [top_k_predictions(row, self.class_names, top_k) for row in probabilities]

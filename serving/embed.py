@@ -14,6 +14,7 @@ from serving.manifest import Route
 from serving.model_calls import BatchedModel
 from serving.model_runtime import read_spec
 from serving.model_spec import TOKENIZER_FILE
+from serving.monitoring import ModelMonitor
 from serving.text import TextTokenizer, check_text_batch
 
 # Texts up to this many characters in all are tokenized on the event loop: about 35 µs per short
@@ -42,6 +43,7 @@ class TextEmbedder:
     model: BatchedModel
     max_items_per_request: int
     tag: str  # the stored model's, named in every answer
+    monitor: ModelMonitor | None = None
 
     @classmethod
     def from_stored(cls, stored: bentoml.Model, route: Route, model: BatchedModel) -> TextEmbedder:
@@ -52,6 +54,7 @@ class TextEmbedder:
             model=model,
             max_items_per_request=route.max_items_per_request,
             tag=str(stored.tag),
+            monitor=ModelMonitor.of_stored("embed", stored),
         )
 
     async def embed(
@@ -66,6 +69,8 @@ class TextEmbedder:
             else:
                 ids = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(texts, truncate=truncate))
             embeddings = await self.model.run(ids, admission)
+        if self.monitor is not None:
+            self.monitor.observe_embeddings(ids, embeddings)
         return embeddings, sum(len(row) for row in ids)
 
     async def embed_bulk(self, texts: list[str], *, truncate: bool) -> tuple[np.ndarray, int]:

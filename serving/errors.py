@@ -7,6 +7,11 @@ from http import HTTPStatus
 from typing import Any
 
 
+class InferenceFailed(Exception):
+    """The engine failed on a batch: each request in it is answered 500 (`internal`) and counted
+    as an inference error; the engine's own exception is the cause, in the log only."""
+
+
 class RequestError(Exception):
     """A client mistake: answered with `status` and a JSON body naming what was wrong. A subclass
     names its own in its class line, `class X(RequestError, status=..., kind=...)`."""

@@ -17,6 +17,13 @@ latency:
   `expired` (503 in the queue: admitted, but the queue ran slower than estimated).
 - `optiserve_refusals_held_total`: refusals held back by pacing before they were answered
   (serving/door.py): clients retrying faster than OPTISERVE_REFUSALS_PER_S.
+- `optiserve_errors_total{endpoint, model, api, class, status, type}`: every other error answer
+  of a model endpoint (`api`: the HTTP API, e.g. classify_batch), by class: `request` (a 4xx of
+  the client's making, `type` as in the body), `timeout` (408: the body did not arrive in time),
+  `inference` (500: the engine, or the model service, failed), `internal` (500: any other fault),
+  `overload` (503: a model service's batcher shed the request, `service` placement only).
+  Refusals of our batcher are not errors here: `optiserve_refused_total` counts them, at the door
+  or in the handler.
 
 With the models in BentoML model services (`OPTISERVE_MODEL_PLACEMENT=service`) BentoML's own
 batcher queues the requests and exposes no queue time through its public API, so the queue
@@ -42,6 +49,7 @@ INFERENCE_METRIC = "optiserve_inference_seconds"
 ROWS_METRIC = "optiserve_batch_rows"
 REFUSED_METRIC = "optiserve_refused"  # prometheus_client appends _total
 HELD_METRIC = "optiserve_refusals_held"
+ERRORS_METRIC = "optiserve_errors"
 LABELS = ("endpoint", "model")
 # Sub-millisecond to tens of seconds: queue waits on a busy CPU span that whole range.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -55,6 +63,7 @@ class Instruments:
     rows: Any
     refused: Any
     held: Any
+    errors: Any
 
 
 @cache
@@ -72,11 +81,20 @@ def instruments() -> Instruments:
         ),
         refused=Counter(REFUSED_METRIC, "Requests refused by admission control", (*LABELS, "reason")),
         held=Counter(HELD_METRIC, "Refusals held back by pacing before they were answered"),
+        errors=Counter(
+            ERRORS_METRIC, "Error answers of model endpoints by class", (*LABELS, "api", "class", "status", "type")
+        ),
     )
 
 
 def count_held_refusal() -> None:
     instruments().held.inc()
+
+
+def count_error(*, endpoint: str, model: str, api: str, error_class: str, status: int, kind: str) -> None:
+    instruments().errors.labels(
+        endpoint=endpoint, model=model, api=api, **{"class": error_class}, status=str(status), type=kind
+    ).inc()
 
 
 class ModelMetrics:

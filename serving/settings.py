@@ -41,3 +41,19 @@ def refusals_per_s() -> float:
     """Refusals a worker answers at once per second, on average (serving/door.py); past it they
     are held until their turn. `OPTISERVE_REFUSALS_PER_S`; 0 answers every refusal at once."""
     return float(os.environ.get("OPTISERVE_REFUSALS_PER_S", "200"))
+
+
+def monitoring_enabled() -> bool:
+    """Prediction and input monitoring (serving/monitoring.py); `OPTISERVE_MONITORING=0` turns it off."""
+    return os.environ.get("OPTISERVE_MONITORING", "1") != "0"
+
+
+def drift_window() -> int:
+    """Values of each statistic a drift score is computed over, the most recent ones:
+    `OPTISERVE_DRIFT_WINDOW`. 1 000 keeps a PSI of unchanged inputs near 0.02 (10 bins)."""
+    return int(os.environ.get("OPTISERVE_DRIFT_WINDOW", "1000"))
+
+
+def drift_interval_s() -> float:
+    """Seconds between two drift computations of a model, at most: `OPTISERVE_DRIFT_INTERVAL_S`."""
+    return float(os.environ.get("OPTISERVE_DRIFT_INTERVAL_S", "10"))

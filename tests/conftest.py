@@ -28,6 +28,7 @@ from serving.manifest import ServingManifest, write_manifest  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPES = ("image-classifier", "text-embedder")
 BODY_TIMEOUT_S = 3
+DRIFT_WINDOW = 300  # values per drift score in the `server` fixture, recomputed at every request
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -96,9 +97,15 @@ def serving(manifest_file: Path, log: Path, **env: str) -> Iterator[RunningServe
 
 @pytest.fixture(scope="session")
 def server(manifest_file: Path, tmp_path_factory) -> Iterator[RunningServer]:
-    """The default deployment: models in the front process; a slow body times out after 3 s."""
+    """The default deployment: models in the front process; a slow body times out after 3 s; drift
+    over the last DRIFT_WINDOW values, recomputed at every request."""
     log = tmp_path_factory.mktemp("server") / "bentoml.log"
-    with serving(manifest_file, log, OPTISERVE_BODY_TIMEOUT_S=str(BODY_TIMEOUT_S)) as running:
+    env = {
+        "OPTISERVE_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+        "OPTISERVE_DRIFT_WINDOW": str(DRIFT_WINDOW),
+        "OPTISERVE_DRIFT_INTERVAL_S": "0",
+    }
+    with serving(manifest_file, log, **env) as running:
         yield running
 
 

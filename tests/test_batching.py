@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from serving.batching import Batcher, BatchLimits
-from serving.errors import DeadlineExpired, DeadlineUnmet, QueueFull
+from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull
 from serving.metrics import ModelMetrics
 from serving.text import padded_tokens
 
@@ -136,7 +136,8 @@ def test_one_failure_reaches_every_caller_of_that_batch_and_no_other() -> None:
     outcomes = asyncio.run(together(batcher, requests))
 
     assert isinstance(outcomes[0], np.ndarray)
-    assert all(isinstance(o, RuntimeError) for o in outcomes[1:4]), outcomes[1:4]
+    assert all(isinstance(o, InferenceFailed) for o in outcomes[1:4]), outcomes[1:4]
+    assert all(isinstance(o.__cause__, RuntimeError) for o in outcomes[1:4])  # the engine's own, for the log
     assert all(isinstance(o, np.ndarray) for o in outcomes[4:]), outcomes[4:]
 
 

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import kubernetes_validate
+import promql_parser
 import pytest
 import yaml
 from podman_setup import LOCAL_BASE_IMAGE, RUN_FLAGS
@@ -26,6 +27,8 @@ DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 BUILD_SH = DEPLOY / "base-image" / "build.sh"
 ADAPTER_VALUES = DEPLOY / "prometheus-adapter" / "values.yaml"
+RULES = K8S / "prometheus-rules.yaml"
+SERVED_RECIPES = (ROOT / "models" / "image-classifier.yaml", ROOT / "models" / "text-embedder.yaml")
 
 # The Kubernetes version the manifests must be valid for (schemas ship in kubernetes-validate).
 KUBERNETES_VERSION = "1.31.0"
@@ -36,6 +39,7 @@ NOT_OBJECTS = {"kustomization.yaml", "prometheus-scrape.yaml"}
 BENTOML_PORT = 3000
 IN_PROGRESS_METRIC = "bentoml_service_request_in_progress"
 PROBE_PATHS = re.compile(r"/\(livez\|readyz\|healthz\|metrics\)")
+MODEL_APIS = re.compile(r'endpoint=~"/\(classify\|classify_batch\|embed\)"')  # selects no probe either
 
 
 def load_objects() -> dict[str, list[dict]]:
@@ -104,9 +108,9 @@ def test_schema_check_rejects_a_misplaced_field():
         kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
 
 
-def test_only_the_servicemonitor_is_left_to_structural_checks():
+def test_only_the_operators_objects_are_left_to_structural_checks():
     crds = {obj["kind"] for docs in load_objects().values() for obj in docs} - {o["kind"] for o in core_objects()}
-    assert crds == {"ServiceMonitor"}
+    assert crds == {"ServiceMonitor", "PrometheusRule"}
 
 
 def test_kustomization_applies_every_object_file_and_the_dashboard():
@@ -132,12 +136,13 @@ def test_rendered_kustomization_is_valid_for_the_pinned_kubernetes_version():
             "Deployment",
             "HorizontalPodAutoscaler",
             "PodDisruptionBudget",
+            "PrometheusRule",
             "Service",
             "ServiceMonitor",
         ]
     )
     for obj in objects:
-        if obj["kind"] != "ServiceMonitor":
+        if obj["kind"] not in ("ServiceMonitor", "PrometheusRule"):
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
     dashboard = next(o for o in objects if o["metadata"]["name"] == "optiserve-grafana-dashboard")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -347,10 +352,43 @@ def test_dashboard_panel_ids_are_unique():
     assert len(ids) == len(set(ids))
 
 
-def test_dashboard_queries_are_balanced():
-    for expr in all_exprs():
-        for opening, closing in ("()", "{}", "[]"):
-            assert expr.count(opening) == expr.count(closing), expr
+# Grafana's variables, as it substitutes them before the query reaches Prometheus.
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$namespace": "optiserve"}
+
+
+def parsed(expr: str) -> promql_parser.Expr:
+    for variable, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    return promql_parser.parse(expr)
+
+
+def alert_rules() -> list[dict]:
+    (group,) = yaml.safe_load(RULES.read_text())["spec"]["groups"]
+    return group["rules"]
+
+
+def monitoring_queries() -> dict[str, str]:
+    """Every PromQL query the dashboard and the alert rules make, by where it is."""
+    panels = {f"panel {p['title']!r} {t['refId']}": t["expr"] for p in dashboard()["panels"] for t in p["targets"]}
+    return {**panels, **{f"alert {rule['alert']}": rule["expr"] for rule in alert_rules()}}
+
+
+def selectors(node: promql_parser.Expr) -> list[promql_parser.VectorSelector]:
+    """The series selectors in a parsed query: the metric names and label matchers it reads."""
+    if isinstance(node, promql_parser.VectorSelector):
+        return [node]
+    found = []
+    for part in ("lhs", "rhs", "expr", "args", "vector_selector", "param"):
+        value = getattr(node, part, None)
+        for child in value if isinstance(value, list) else [value]:
+            if isinstance(child, promql_parser.Expr):
+                found += selectors(child)
+    return found
+
+
+@pytest.mark.parametrize("where", sorted(monitoring_queries()))
+def test_every_query_is_valid_promql(where):
+    assert selectors(parsed(monitoring_queries()[where])), f"{where} reads no series"
 
 
 @pytest.mark.parametrize(
@@ -364,6 +402,16 @@ def test_dashboard_queries_are_balanced():
         ("batch queue wait", r"optiserve_batch_queue_seconds_bucket"),
         ("inference time", r"optiserve_inference_seconds_bucket"),
         ("errors by status", r"sum by \(http_response_code\)"),
+        ("errors by class", r"sum by \(class, .*optiserve_errors_total"),
+        ("queue saturation", r"optiserve_refused_total.*optiserve_batch_queue_seconds_count"),
+        ("p99 against the SLO", r"histogram_quantile\(0\.99, .*bentoml_service_request_duration_seconds_bucket"),
+        ("drift scores", r"optiserve_drift_psi"),
+        ("predicted classes", r"optiserve_predictions_total"),
+        ("confidence", r"optiserve_prediction_confidence_bucket"),
+        ("image sizes", r"optiserve_image_width_pixels_bucket"),
+        ("image brightness", r"optiserve_image_brightness_bucket"),
+        ("text tokens", r"optiserve_text_tokens_bucket"),
+        ("embedding distance to the centroid", r"optiserve_embedding_centroid_distance_bucket"),
     ],
 )
 def test_dashboard_shows(what, pattern):
@@ -371,9 +419,9 @@ def test_dashboard_shows(what, pattern):
 
 
 def test_dashboard_keeps_probes_out_of_request_figures():
-    for expr in all_exprs():
+    for expr in [*all_exprs(), *(rule["expr"] for rule in alert_rules())]:
         if "bentoml_service_request_" in expr:
-            assert PROBE_PATHS.search(expr), expr
+            assert PROBE_PATHS.search(expr) or MODEL_APIS.search(expr), expr
 
 
 def test_dashboard_datasource_is_a_variable():
@@ -382,6 +430,70 @@ def test_dashboard_datasource_is_a_variable():
     for panel in dashboard()["panels"]:
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${datasource}"
+
+
+def test_panels_with_a_threshold_draw_their_alerts_threshold():
+    """The red lines of the drift, saturation and SLO panels are where the alerts fire."""
+    lines = {
+        p["title"]: p["fieldConfig"]["defaults"]["thresholds"]["steps"][-1]["value"]
+        for p in dashboard()["panels"]
+        if "thresholds" in p["fieldConfig"]["defaults"]
+    }
+    fired_at = {rule["alert"]: threshold(rule["expr"]) for rule in alert_rules()}
+    assert lines == {
+        "Drift score (PSI) by statistic": fired_at["OptiserveInputDrift"],
+        "Queue saturation: share refused": fired_at["OptiserveQueueSaturated"],
+        "p99 against the SLO": fired_at["OptiserveLatencyOverSLO"],
+    }
+
+
+# --- alert rules ---------------------------------------------------------------------------
+
+
+def threshold(expr: str) -> float:
+    """The number an alert's query compares with: `... > 0.25`."""
+    node = parsed(expr)
+    assert isinstance(node, promql_parser.BinaryExpr) and str(node.op) == ">", expr
+    assert isinstance(node.rhs, promql_parser.NumberLiteral), expr
+    return node.rhs.val
+
+
+def test_rules_file_is_a_prometheus_rule_kustomize_applies():
+    rules = yaml.safe_load(RULES.read_text())
+    assert (rules["apiVersion"], rules["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert rules["metadata"]["name"]
+    assert RULES.name in yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=lambda rule: rule["alert"])
+def test_alert_rule_is_complete(rule):
+    assert set(rule) == {"alert", "expr", "for", "labels", "annotations"}
+    assert re.fullmatch(r"Optiserve[A-Z][A-Za-z0-9]+", rule["alert"])
+    assert promql_parser.parse_duration(rule["for"]).total_seconds() >= 60  # one bad scrape does not page
+    assert rule["labels"]["severity"] in ("warning", "critical")
+    assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    threshold(rule["expr"])
+
+
+@pytest.mark.parametrize(
+    ("alert", "metric"),
+    [
+        ("OptiserveInputDrift", "optiserve_drift_psi"),
+        ("OptiserveErrorRate", "optiserve_errors_total"),
+        ("OptiserveLatencyOverSLO", "bentoml_service_request_duration_seconds_bucket"),
+        ("OptiserveQueueSaturated", "optiserve_refused_total"),
+    ],
+)
+def test_the_alerts_the_issue_asks_for_read_their_signal(alert, metric):
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    assert metric in {selector.name for selector in selectors(parsed(rules[alert]["expr"]))}
+
+
+def test_the_latency_alert_fires_at_the_served_recipes_slo():
+    slos = {yaml.safe_load(path.read_text())["budget"]["p99_slo_ms"] for path in SERVED_RECIPES}
+    (slo_ms,) = slos
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    assert threshold(rules["OptiserveLatencyOverSLO"]["expr"]) == slo_ms / 1000
 
 
 # --- base image ----------------------------------------------------------------------------

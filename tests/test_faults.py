@@ -1,20 +1,28 @@
 """Faults under load, against a `bentoml serve` of its own: a worker killed with SIGKILL is
-replaced and serving again within 10 s; SIGTERM drains what was accepted, losing none of it."""
+replaced and serving again within 10 s; SIGTERM drains what was accepted, losing none of it; an
+engine that fails on a batch answers it 500, counts an inference error and serves the next."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 from conftest import own_home, serving
+from test_monitoring import samples
 
+from pipeline.registry import register
 from sample_inputs import sample_photos
+from serving.artifacts import SHA256_KEY
+from serving.manifest import ServingManifest, write_manifest
+from serving.model_spec import ONNX_FILE, TOKENIZER_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -84,3 +92,41 @@ def test_sigterm_drains_the_requests_already_accepted(manifest_file, tmp_path) -
         statuses = asyncio.run(in_flight_then_terminate(server.url, server.process.pid))
         server.process.wait(timeout=30)
     assert statuses == [200] * 4
+
+
+def test_an_engine_failure_is_a_500_counted_as_an_inference_error_and_the_next_request_is_served(
+    built_models, default_recipes, tmp_path
+) -> None:
+    """The text model stored again with a tokenizer that knows one token more than the model's
+    embedding table: ONNX Runtime's Gather fails on any batch holding it, as a real engine fault."""
+    text = built_models["text-embedder"]
+    stored = Path(text.model.path)
+    tokenizer = json.loads((stored / TOKENIZER_FILE).read_text())
+    tokenizer["added_tokens"].append(
+        {"id": 10**6, "content": "[BEYOND]", "special": True, "single_word": False}
+        | {"lstrip": False, "rstrip": False, "normalized": False}
+    )
+    (tmp_path / TOKENIZER_FILE).write_text(json.dumps(tokenizer))
+    metadata = {k: v for k, v in text.model.info.metadata.items() if k not in (SHA256_KEY, "selected")}
+    broken = register(
+        "beyond-vocabulary",
+        {ONNX_FILE: stored / ONNX_FILE, TOKENIZER_FILE: tmp_path / TOKENIZER_FILE},
+        labels=dict(text.model.info.labels),
+        metadata=metadata,
+    )
+    route = text.route(default_recipes["text-embedder"]).model_copy(update={"tag": str(broken.tag)})
+    write_manifest(ServingManifest(embed=route), tmp_path / "manifest.json")
+    home = own_home(tmp_path / "bentoml")
+    with (
+        serving(tmp_path / "manifest.json", tmp_path / "bentoml.log", BENTOML_HOME=home) as server,
+        server.client() as client,
+    ):
+        failed = client.post("/embed", json={"texts": ["a word [BEYOND] the vocabulary"]})
+        served = client.post("/embed", json={"texts": ["a word within it"]})
+        errors = samples(client, "optiserve_errors_total")
+    assert failed.status_code == 500 and failed.json()["type"] == "internal", failed.text
+    assert served.status_code == 200
+    assert [(labels["class"], labels["api"], labels["model"], value) for labels, value in errors] == [
+        ("inference", "embed", str(broken.tag), 1.0)
+    ]
+    assert "indices element out of data bounds" in (tmp_path / "bentoml.log").read_text()  # the cause, logged

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import BODY_TIMEOUT_S
 from PIL import Image
+from test_monitoring import samples
 
 from sample_inputs import encode, sample_photos
 
@@ -194,6 +195,7 @@ def test_an_exif_rotated_photo_is_classified_as_displayed(server) -> None:
 def test_a_body_that_trickles_in_is_timed_out_with_a_408(server, path: str) -> None:
     """The server fixture allows a body 3 s (OPTISERVE_BODY_TIMEOUT_S); this one never finishes."""
     host, port = server.url.removeprefix("http://").split(":")
+    timeouts_before = timeouts_counted(server, path)
     content_type = "application/json" if path == "/embed" else "image/jpeg"
     head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\nContent-Length: 1000\r\n\r\n"
     started = time.monotonic()
@@ -205,5 +207,12 @@ def test_a_body_that_trickles_in_is_timed_out_with_a_408(server, path: str) -> N
     assert answer.startswith("HTTP/1.1 408"), answer[:300]
     assert '"type":"body_timeout"' in answer
     assert BODY_TIMEOUT_S <= time.monotonic() - started < BODY_TIMEOUT_S + 10
+    assert timeouts_counted(server, path) == timeouts_before + 1  # optiserve_errors_total's class
     with server.client() as client:
         assert client.post("/classify", content=chelsea(), headers=JPEG).status_code == 200
+
+
+def timeouts_counted(server, path: str) -> float:
+    with server.client() as client:
+        found = samples(client, "optiserve_errors_total")
+    return sum(v for labels, v in found if labels["class"] == "timeout" and labels["api"] == path.strip("/"))

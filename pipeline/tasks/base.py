@@ -21,6 +21,7 @@ from pipeline.recipe import RecipeBase
 from pipeline.variants.base import Feeds
 from serving.model_runtime import ModelRuntime
 from serving.model_spec import ModelSpec, Task
+from serving.monitoring import MonitoringReference
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +61,11 @@ class PipelineTask(ABC):
     @abstractmethod
     def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
         """The task's metrics of a candidate's outputs against the reference's, with their bounds."""
+
+    @abstractmethod
+    def monitoring_reference(self, name: str, split: Split, outputs: np.ndarray) -> MonitoringReference:
+        """The distribution of each statistic the service monitors (serving/monitoring.py) on an
+        evaluation slice `name` and the reference model's outputs for it."""
 
     @abstractmethod
     def agreement(self, reference: np.ndarray, candidate: np.ndarray) -> float:

@@ -21,6 +21,7 @@ from pipeline.tuning import HELD_OUT
 from pipeline.variants.base import Feeds
 from serving.model_runtime import ImageModelRuntime
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput, ModelSpec
+from serving.monitoring import MonitoringReference, classifier_statistics, reference_of
 
 if TYPE_CHECKING:
     from pipeline.recipe import LoadedRecipe, Student
@@ -74,6 +75,12 @@ class ImageClassification(PipelineTask):
 
     def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
         return classification_figures(reference, candidate, labels)
+
+    def monitoring_reference(self, name: str, split: Split, outputs: np.ndarray) -> MonitoringReference:
+        """Rows without a decoded size (digits, arrays from the start) are as large as the model input."""
+        pixels = np.stack(split.rows)
+        sizes = split.sizes or [(pixels.shape[2], pixels.shape[1])] * len(pixels)
+        return reference_of(name, classifier_statistics(sizes, pixels, outputs))
 
     def top1_agreement(self, reference: np.ndarray, candidate: np.ndarray) -> float:
         return float((reference.argmax(-1) == candidate.argmax(-1)).mean())

@@ -19,6 +19,7 @@ from pipeline.tuning import HELD_OUT
 from pipeline.variants.base import Feeds
 from serving.model_runtime import TextModelRuntime
 from serving.model_spec import TOKENIZER_FILE, ModelSpec, TextInput
+from serving.monitoring import MonitoringReference, embedder_statistics, reference_of
 from serving.text import TextTokenizer, pad_batch
 
 if TYPE_CHECKING:
@@ -78,6 +79,11 @@ class TextEmbedding(PipelineTask):
 
     def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
         return embedding_figures(reference, candidate)
+
+    def monitoring_reference(self, name: str, split: Split, outputs: np.ndarray) -> MonitoringReference:
+        centroid = outputs.astype(np.float64).mean(axis=0)
+        statistics = embedder_statistics([len(row) for row in split.rows], outputs, centroid)
+        return reference_of(name, statistics, centroid)
 
     def agreement(self, reference: np.ndarray, candidate: np.ndarray) -> float:
         return float(row_cosines(reference, candidate).mean())
