@@ -10,6 +10,7 @@ from typing import Annotated, ClassVar, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS
 from serving.artifacts import file_digest
 from serving.model_spec import Task
 
@@ -105,6 +106,11 @@ class Serving(Strict):
         default=None, ge=1, description="override; BentoML sheds requests it cannot serve within this"
     )
     max_items_per_request: int = Field(default=64, ge=1)
+    alias: str = Field(
+        default=DEFAULT_ALIAS,
+        pattern=ALIAS_NAME,
+        description="the alias the endpoint serves once it is set (`python -m pipeline promote`)",
+    )
 
 
 VariantName = Literal[

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Protocol, TypeVar
@@ -39,6 +39,7 @@ from serving.errors import (
     UnsupportedMediaType,
 )
 from serving.images import DEFAULT_MAX_BYTES
+from serving.lifecycle import Model, Slot
 from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
 from serving.settings import body_timeout_s
 
@@ -46,10 +47,11 @@ logger = logging.getLogger(__name__)
 
 
 class Front(Protocol):
-    """What the front BentoML service instance offers the endpoints."""
+    """What the front BentoML service instance offers the endpoints: each model in its slot, so
+    that a request keeps the model it started with through a hot swap (serving/lifecycle.py)."""
 
-    classifier: ImageClassifier | None
-    embedder: TextEmbedder | None
+    classifier: Slot[ImageClassifier] | None
+    embedder: Slot[TextEmbedder] | None
 
 
 MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
@@ -59,11 +61,12 @@ FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
 DEADLINE_HEADER = "X-Deadline-Ms"
+MODEL_TAG_HEADER = "X-Model-Tag"  # the stored model that produced the answer, as its body's `model`
 MAX_DEADLINE_MS = 600_000
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
 INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
 
-Answer = TypeVar("Answer", bound=BaseModel)
+Answer = TypeVar("Answer", bound=BaseModel)  # each names its `model`
 
 
 @dataclass(frozen=True)
@@ -76,12 +79,16 @@ class ErrorAnswer:
 async def answer(
     ctx: bentoml.Context, endpoint: Callable[[Front, Request], Awaitable[Answer]], front: Front
 ) -> Answer | Response:
-    """`endpoint`'s answer to the request BentoML is serving, or its error as our JSON body and
-    status. BentoML sets an API's status and headers from its context: an error's go there."""
+    """`endpoint`'s answer to the request BentoML is serving, with the model's tag in a header, or
+    its error as our JSON body and status. BentoML sets an API's status and headers from its
+    context: both go there."""
     try:
-        return await endpoint(front, UNREAD_REQUEST.get())
+        result = await endpoint(front, UNREAD_REQUEST.get())
     except Exception as exc:
         error = error_answer(exc)
+    else:
+        ctx.response.headers[MODEL_TAG_HEADER] = result.model
+        return result
     ctx.response.status_code = error.status
     ctx.response.headers.update(error.headers)
     return JSONResponse(error.body, status_code=error.status)
@@ -224,16 +231,13 @@ def resolve_top_k(request: Request, form: dict[str, str]) -> int:
     return int(value)
 
 
-def classifier(front: Front) -> ImageClassifier:
-    if front.classifier is None:
-        raise ModelUnavailable("no image-classification model is configured in this deployment")
-    return front.classifier
-
-
-def embedder(front: Front) -> TextEmbedder:
-    if front.embedder is None:
-        raise ModelUnavailable("no text-embedding model is configured in this deployment")
-    return front.embedder
+@contextmanager
+def leased(slot: Slot[Model] | None, task: str) -> Iterator[Model]:
+    """The endpoint's model for the whole request, or 503 where the deployment configures none."""
+    if slot is None:
+        raise ModelUnavailable(f"no {task} model is configured in this deployment")
+    with slot.lease() as model:
+        yield model
 
 
 async def read_images(request: Request, field: str, *, max_files: int, hint: str = "") -> tuple[list[ImageUpload], int]:
@@ -243,19 +247,21 @@ async def read_images(request: Request, field: str, *, max_files: int, hint: str
 
 
 async def classify(front: Front, request: Request) -> ClassifyResponse:
-    images = classifier(front)
-    with images.admit(1, timeout_ms=client_deadline_ms(request)) as admission:  # before the upload is read
+    with (
+        leased(front.classifier, "image-classification") as images,
+        images.admit(1, timeout_ms=client_deadline_ms(request)) as admission,  # before the upload is read
+    ):
         uploads, top_k = await read_images(request, "image", max_files=1, hint=": send several to /classify_batch")
         (predictions,) = await images.classify(uploads, top_k, admission)
     return ClassifyResponse(model=images.tag, predictions=predictions)
 
 
 async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse:
-    images = classifier(front)
-    deadline_ms = client_deadline_ms(request)
-    uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
-    with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
-        results = await images.classify(uploads, top_k, admission)
+    with leased(front.classifier, "image-classification") as images:
+        deadline_ms = client_deadline_ms(request)
+        uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
+        with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
+            results = await images.classify(uploads, top_k, admission)
     return ClassifyBatchResponse(model=images.tag, results=results)
 
 
@@ -267,17 +273,17 @@ async def embed_request(request: Request, limit: int) -> EmbedRequest:
 
 
 async def embed(front: Front, request: Request) -> EmbedResponse:
-    texts = embedder(front)
-    deadline_ms = client_deadline_ms(request)
-    body = await embed_request(request, MAX_EMBED_BODY_BYTES)
-    vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms)
+    with leased(front.embedder, "text-embedding") as texts:
+        deadline_ms = client_deadline_ms(request)
+        body = await embed_request(request, MAX_EMBED_BODY_BYTES)
+        vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms)
     return embed_response(texts, body, vectors, tokens)
 
 
 async def embed_bulk(front: Front, request: Request) -> EmbedResponse:
-    texts = embedder(front)
-    body = await embed_request(request, MAX_BULK_BODY_BYTES)
-    vectors, tokens = await texts.embed_bulk(body.texts, truncate=body.truncate)
+    with leased(front.embedder, "text-embedding") as texts:
+        body = await embed_request(request, MAX_BULK_BODY_BYTES)
+        vectors, tokens = await texts.embed_bulk(body.texts, truncate=body.truncate)
     return embed_response(texts, body, vectors, tokens)
 
 

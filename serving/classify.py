@@ -67,6 +67,10 @@ class ImageClassifier:
             tag=str(stored.tag),
         )
 
+    def close(self) -> None:
+        """Release the model once no request uses it any more (a hot swap: serving/lifecycle.py)."""
+        self.model.close()
+
     def admit(self, images: int, *, timeout_ms: float | None = None) -> AbstractContextManager[Admission]:
         """A place in the model's queue for `images` images, or a refusal (serving/batching.py):
         taken before anything costly, the body's upload for one image, its decoding for several."""

@@ -54,6 +54,10 @@ class TextEmbedder:
             tag=str(stored.tag),
         )
 
+    def close(self) -> None:
+        """Release the model once no request uses it any more (a hot swap: serving/lifecycle.py)."""
+        self.model.close()
+
     async def embed(
         self, texts: list[str], *, truncate: bool, timeout_ms: float | None = None
     ) -> tuple[np.ndarray, int]:

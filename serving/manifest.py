@@ -1,16 +1,20 @@
 """Which stored model serves which endpoint, with its batching settings.
 
 The pipeline writes the manifest; the service reads it at import time because BentoML takes
-the model reference and the batching settings in its decorators.
+the model reference and the batching settings in its decorators. A route names an alias
+(serving/aliases.py): once the alias is set, its tag is served instead of the route's own, the
+pipeline's latest build, and the service follows the alias while it runs (serving/lifecycle.py).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS, Aliases, aliases_path, read_aliases
+from serving.files import write_atomically
 
 MANIFEST_ENV = "OPTISERVE_MANIFEST"
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "serving-manifest.json"
@@ -21,8 +25,9 @@ class Route(BaseModel):
     """One endpoint's model and the batching its profile chose (serving/batching.py)."""
 
     model_config = ConfigDict(extra="forbid")
-    tag: str
+    tag: str  # the pipeline's latest build, served until the alias is set
     recipe: str
+    alias: str = Field(default=DEFAULT_ALIAS, pattern=ALIAS_NAME)  # `python -m pipeline promote` moves it
     max_batch_size: int = Field(ge=2)  # rows per engine call; BentoML's batchable APIs need at least 2
     max_batch_tokens: int | None = Field(default=None, ge=1)  # text: padded tokens per engine call
     max_latency_ms: int = Field(ge=1)  # a request's deadline in the server: queue wait plus its batch
@@ -53,23 +58,40 @@ def read_manifest(path: Path) -> ServingManifest:
 
 
 def load_manifest(path: Path | None = None) -> ServingManifest:
-    """Read the manifest and apply per-endpoint tag overrides from the environment."""
-    manifest = read_manifest(path or manifest_path())
+    """Read the manifest, serve each route's alias where it is set, and apply per-endpoint tag
+    overrides from the environment (which pin the endpoint: see `pinned`)."""
+    path = path or manifest_path()
+    manifest = read_manifest(path)
+    aliases = read_aliases(aliases_path(path))
+    for endpoint, route in manifest:
+        if route is not None:
+            setattr(manifest, endpoint, aliased(route, aliases))
     for endpoint, env in TAG_OVERRIDE_ENV.items():
         route = getattr(manifest, endpoint)
-        if os.environ.get(env) and route is not None:
-            setattr(manifest, endpoint, override_tag(route, os.environ[env]))
+        if pinned(endpoint) and route is not None:
+            setattr(manifest, endpoint, override_tag(route, os.environ[env], named_by="the environment"))
     return manifest
 
 
-def override_tag(route: Route, tag: str) -> Route:
+def pinned(endpoint: str) -> bool:
+    """Whether the environment names this endpoint's model: aliases do not move it then."""
+    return bool(os.environ.get(TAG_OVERRIDE_ENV[endpoint]))
+
+
+def aliased(route: Route, aliases: Aliases) -> Route:
+    """The route serving its alias's tag, with that model's batching; unchanged while the alias is unset."""
+    tag = aliases.tag(route.recipe, route.alias)
+    return route if tag is None or tag == route.tag else override_tag(route, tag, named_by=f"alias {route.alias!r}")
+
+
+def override_tag(route: Route, tag: str, *, named_by: str) -> Route:
     """Serve another stored model; its own profiled batching comes with it when it has one."""
     import bentoml
 
     try:
         metadata = bentoml.models.get(tag).info.metadata
     except bentoml.exceptions.NotFound as exc:
-        raise ManifestError(f"model {tag!r} named by the environment is not in the model store") from exc
+        raise ManifestError(f"model {tag!r} named by {named_by} is not in the model store") from exc
     batching = metadata.get("batching") or {}
     return route.model_copy(
         update={
@@ -83,9 +105,7 @@ def override_tag(route: Route, tag: str) -> Route:
 
 def write_manifest(manifest: ServingManifest, path: Path) -> None:
     """Replace the file in one step: a service starting meanwhile reads the old one or the new."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as temporary:
-        temporary.write(manifest.model_dump_json(indent=2) + "\n")
-    os.replace(temporary.name, path)
+    write_atomically(path, manifest.model_dump_json(indent=2) + "\n")
 
 
 def update_manifest(routes: dict[str, Route], path: Path) -> ServingManifest:

@@ -15,6 +15,9 @@ latency:
 - `optiserve_refused_total{endpoint, model, reason}`: requests refused by admission control:
   `queue_full` (429), `deadline` (503 at the door: the queue ahead would make it late),
   `expired` (503 in the queue: admitted, but the queue ran slower than estimated).
+- `optiserve_model_swaps_total{endpoint, outcome}`: alias changes the service followed
+  (`swapped`) or refused (`refused`: the version is missing, tampered or failed to load), so a
+  deployment tool can wait for a promote to take effect (serving/lifecycle.py).
 
 With the models in BentoML model services (`OPTISERVE_MODEL_PLACEMENT=service`) BentoML's own
 batcher queues the requests and exposes no queue time through its public API, so the queue
@@ -39,6 +42,7 @@ QUEUE_METRIC = "optiserve_batch_queue_seconds"
 INFERENCE_METRIC = "optiserve_inference_seconds"
 ROWS_METRIC = "optiserve_batch_rows"
 REFUSED_METRIC = "optiserve_refused"  # prometheus_client appends _total
+SWAPS_METRIC = "optiserve_model_swaps"
 LABELS = ("endpoint", "model")
 # Sub-millisecond to tens of seconds: queue waits on a busy CPU span that whole range.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -51,6 +55,7 @@ class Instruments:
     inference: Any
     rows: Any
     refused: Any
+    swaps: Any
 
 
 @cache
@@ -67,6 +72,7 @@ def instruments() -> Instruments:
             ROWS_METRIC, "Rows per batch (BentoML's adaptive_batch_size counts requests)", LABELS, buckets=ROWS_BUCKETS
         ),
         refused=Counter(REFUSED_METRIC, "Requests refused by admission control", (*LABELS, "reason")),
+        swaps=Counter(SWAPS_METRIC, "Alias changes followed or refused", ("endpoint", "outcome")),
     )
 
 
@@ -99,3 +105,8 @@ class ModelMetrics:
 
     def refused(self, reason: str) -> None:
         self._refused.labels(**self._labels, reason=reason).inc()
+
+
+def count_swap(endpoint: str, outcome: str) -> None:
+    """One alias change of `endpoint`'s route: `swapped` or `refused`."""
+    instruments().swaps.labels(endpoint=endpoint, outcome=outcome).inc()

@@ -55,6 +55,8 @@ class BatchedModel(Protocol):
 
     async def run_bulk(self, rows: np.ndarray | list) -> np.ndarray: ...
 
+    def close(self) -> None: ...
+
 
 def batched_model(endpoint: str, stored: bentoml.Model, route: Route, service: Any) -> BatchedModel:
     """The route's model where OPTISERVE_MODEL_PLACEMENT puts it: in this process behind our
@@ -99,6 +101,9 @@ class RemoteModel:
         size = self._route.max_batch_size
         chunks = [rows[start : start + size] for start in range(0, len(rows), size)]
         return np.concatenate(await asyncio.gather(*(call_model(self._service.to_async.predict, c) for c in chunks)))
+
+    def close(self) -> None:
+        """Nothing to release: the model service owns the session."""
 
 
 async def call_model(call: Callable[[In], Awaitable[Out]], value: In) -> Out:
