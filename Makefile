@@ -9,7 +9,7 @@ SERVED_RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
 RECIPES ?= $(SERVED_RECIPES) $(filter-out $(SERVED_RECIPES),$(wildcard models/*.yaml))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk fuzz soak
+.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk bench-swap fuzz soak
 
 setup: $(VENV)/.installed
 
@@ -66,6 +66,10 @@ bench-overload: setup
 # A bulk task of 5 000 texts beside interactive /embed requests: their p99 during the task vs unloaded.
 bench-bulk: setup
 	$(PY) -m bench.bulk $(BENCH_ARGS)
+
+# Hot swaps (promote, rollback, …) of the /embed model under load: failures and p99 during each swap vs steady.
+bench-swap: setup
+	$(PY) -m bench.swap $(BENCH_ARGS)
 
 # Every variant of each model's latest pipeline run against its FP32 export, at the batch the
 # optimization targets name (32; text rows of 128 tokens), timed interleaved.

@@ -83,19 +83,28 @@ def read_aliases(path: Path) -> Aliases:
 def servable(tag: str, *, alias: str) -> Any:
     """The stored model (`bentoml.Model`) named `tag` if it may serve: in the store, its files
     matching their recorded sha256; else `AliasError` naming the alias and the tag."""
-    import bentoml
-
-    try:
-        stored = bentoml.models.get(tag)
-    except bentoml.exceptions.NotFound:
-        raise AliasError(f"alias {alias} → {tag} refused: the model is not in the model store") from None
-    except (bentoml.exceptions.BentoMLException, ValueError) as exc:
-        raise AliasError(f"alias {alias} → {tag} refused: {exc}") from None
+    stored = stored_model(tag, alias=alias)
     try:
         check_artifacts(stored)
     except ArtifactMismatch as exc:
-        raise AliasError(f"alias {alias} → {tag} refused: {exc}") from None
+        raise refused(alias, tag, exc) from None
     return stored
+
+
+def stored_model(tag: str, *, alias: str) -> Any:
+    """The stored model named `tag`, its files unchecked (loading it checks them)."""
+    import bentoml
+
+    try:
+        return bentoml.models.get(tag)
+    except bentoml.exceptions.NotFound:
+        raise refused(alias, tag, "the model is not in the model store") from None
+    except (bentoml.exceptions.BentoMLException, ValueError) as exc:
+        raise refused(alias, tag, exc) from None
+
+
+def refused(alias: str, tag: str, reason: object) -> AliasError:
+    return AliasError(f"alias {alias} → {tag} refused: {reason}")
 
 
 def promote(path: Path, tag: str, *, alias: str = DEFAULT_ALIAS, unset: str | None = None) -> Alias:

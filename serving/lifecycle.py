@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from serving.aliases import AliasError, label, read_aliases, servable
+from serving.aliases import AliasError, label, read_aliases, refused, stored_model
 from serving.classify import ImageClassifier
 from serving.embed import TextEmbedder
 from serving.manifest import Route, override_tag, pinned
@@ -141,7 +141,7 @@ class AliasWatcher:
         name = label(route.recipe, route.alias)
         try:
             front = await asyncio.to_thread(self._open, endpoint, route, tag)
-        except Exception as exc:  # whatever the new version does wrong, the old one keeps serving
+        except AliasError as exc:  # whatever the new version does wrong, the old one keeps serving
             logger.error("/%s: %s; %s keeps serving", endpoint, exc, slot.model.tag)
             count_swap(endpoint, "refused")
             return
@@ -150,12 +150,16 @@ class AliasWatcher:
         logger.info("/%s: %s → %s, loaded and warmed up; %s released", endpoint, name, tag, old.tag)
 
     def _open(self, endpoint: str, route: Route, tag: str) -> ImageClassifier | TextEmbedder:
-        """The new version's front, verified and warmed up (in a thread: it takes seconds)."""
+        """The new version's front, its files checked and its session warmed up (in a thread: it
+        takes seconds); `AliasError` naming the alias and the tag for any failure."""
         name = label(route.recipe, route.alias)
-        stored = servable(tag, alias=name)
+        stored = stored_model(tag, alias=name)
         if stored.tag.name != route.recipe:
-            raise AliasError(f"alias {name} → {tag} refused: /{endpoint} serves {route.recipe} models")
-        return open_front(endpoint, stored, override_tag(route, tag, named_by=f"alias {name}"))
+            raise refused(name, tag, f"/{endpoint} serves {route.recipe} models")
+        try:
+            return open_front(endpoint, stored, override_tag(route, tag, named_by=f"alias {name}"))
+        except Exception as exc:
+            raise refused(name, tag, exc) from exc
 
 
 def _identity(path: Path) -> tuple[int, int, int] | None:

@@ -69,7 +69,13 @@ def batched_model(endpoint: str, stored: bentoml.Model, route: Route, service: A
 def in_process_model(endpoint: str, stored, route: Route, *, processes: int) -> Batcher:
     """The stored model's session in this process, behind our batcher with the route's limits."""
     settings = EngineSettings.from_environment(processes=processes)
-    runtime = load_runtime(endpoint, stored, max_batch_size=route.max_batch_size, settings=settings)
+    runtime = load_runtime(
+        endpoint,
+        stored,
+        max_batch_size=route.max_batch_size,
+        max_batch_tokens=route.max_batch_tokens,
+        settings=settings,
+    )
     limits = BatchLimits(
         max_batch_size=route.max_batch_size,
         max_batch_tokens=route.max_batch_tokens,

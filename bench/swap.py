@@ -1,0 +1,220 @@
+"""`make bench-swap` / `python -m bench.swap`: hot swaps of a served model under load.
+
+Against one `bentoml serve` of the manifest's models (a copy of the manifest, so the aliases
+beside it are the bench's own), with requests to the endpoint at `--concurrency` throughout:
+
+1. steady: the requests alone for `--steady-s` → p50/p99;
+2. each of `--swaps` swaps, alternately a promote to `--to` and a rollback: from the alias move
+   until the service reports it swapped (`optiserve_model_swaps_total`) plus `DRAIN_S`, the
+   old model's last requests; then `--steady-s` again before the next one.
+
+Targets (#12): no failed request, and p99 during each swap ≤ 2 × the first steady p99. A table,
+JSON and a latency timeline plot go to reports/bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+P99_WITHIN = 2.0  # × the steady p99
+DRAIN_S = 1.0  # after the swap: the requests still on the old model finish
+POLL_S = 0.1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.swap", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--manifest", type=Path, help="serve this manifest's models (default: build both recipes)")
+    parser.add_argument("--model", choices=("image", "text"), default="text", help="whose endpoint swaps")
+    parser.add_argument("--to", help="the version to promote (default: the newest other intact one in the store)")
+    parser.add_argument("--swaps", type=int, default=2, help="promote, rollback, promote, …")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--steady-s", type=float, default=15.0)
+    parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
+    return parser.parse_args(argv)
+
+
+def other_version(tag: str) -> str:
+    """The newest other intact version of the tag's model, of the same variant where there is one
+    (a rebuild: the swap, not a faster or slower model, is what the figures then show)."""
+    import bentoml
+
+    from serving.artifacts import mismatched_files
+
+    served = bentoml.models.get(tag)
+    others = [m for m in bentoml.models.list(served.tag.name) if m.tag != served.tag and not mismatched_files(m)]
+    if not others:
+        raise SystemExit(f"no other intact version of {served.tag.name} in the store to swap to: pass --to")
+    variant = served.info.labels.get("variant")
+    return str(max(others, key=lambda m: (m.info.labels.get("variant") == variant, m.info.creation_time)).tag)
+
+
+async def swaps_under_load(url: str, path: str, requests: list, move: list, args: argparse.Namespace) -> dict:
+    """The load never pauses; `move[i]()` moves the alias for swap i, in a thread."""
+    from loadtest.client import Pool
+    from loadtest.generator import closed_loop
+    from loadtest.stats import Recorder
+
+    recorder, stop, pool = Recorder(), asyncio.Event(), Pool(url + path, timeout=30)
+    load = asyncio.create_task(closed_loop(pool, requests, concurrency=args.concurrency, stop=stop, recorder=recorder))
+    marks = {"start": time.perf_counter()}
+    await asyncio.sleep(args.steady_s)
+    for index in range(args.swaps):
+        swapped = await swap_count(url)
+        marks[f"swap{index}"] = time.perf_counter()
+        await asyncio.to_thread(move[index % 2])
+        while await swap_count(url) == swapped:
+            await asyncio.sleep(POLL_S)
+        marks[f"swap{index}_done"] = time.perf_counter()
+        await asyncio.sleep(args.steady_s)
+    marks["end"] = time.perf_counter()
+    stop.set()
+    await load
+    pool.close()
+    return {"marks": marks, "outcomes": recorder}
+
+
+async def swap_count(url: str) -> float:
+    """Swaps the service has made or refused so far, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loadtest.client import fetch
+
+    text = (await fetch(url + "/metrics", timeout=10)).body.decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "optiserve_model_swaps_total"
+    )
+
+
+def summarize(run: dict, swaps: int) -> dict[str, Any]:
+    from loadtest.stats import latency_ms
+
+    marks, recorder = run["marks"], run["outcomes"]
+
+    def phase(start: float, end: float) -> dict[str, Any]:
+        outcomes = recorder.between(start, end)
+        latency = latency_ms([o.latency for o in outcomes if o.ok])
+        errors = Counter(o.status for o in outcomes if not o.ok)
+        return {
+            "requests": len(outcomes),
+            "failed": errors.total(),
+            "errors": dict(errors),
+            "latency_ms": asdict(latency) if latency else None,
+        }
+
+    phases = {"steady": phase(marks["start"], marks["swap0"])}
+    for index in range(swaps):
+        done = marks[f"swap{index}_done"]
+        phases[f"swap {index + 1}"] = phase(marks[f"swap{index}"], done + DRAIN_S) | {
+            "swap_s": done - marks[f"swap{index}"]
+        }
+        phases[f"after swap {index + 1}"] = phase(
+            done + DRAIN_S, marks[f"swap{index + 1}"] if index + 1 < swaps else marks["end"]
+        )
+    reference = phases["steady"]["latency_ms"]["p99"]
+    ratios = [phases[f"swap {i + 1}"]["latency_ms"]["p99"] / reference for i in range(swaps)]
+    failed = sum(p["failed"] for p in phases.values())
+    return {
+        "phases": phases,
+        "target": {
+            "p99_during_swap_vs_steady": max(ratios),
+            "failed": failed,
+            "target": f"<= {P99_WITHIN} and 0 failed",
+            "met": max(ratios) <= P99_WITHIN and failed == 0,
+        },
+    }
+
+
+def print_summary(results: dict[str, Any], endpoint: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from bench.serving import number_text, verdict_text
+
+    concurrency = results["settings"]["concurrency"]
+    table = Table(title=f"{endpoint} at concurrency {concurrency}: {results['from']} ⇄ {results['to']}")
+    for column in ("phase", "requests", "failed", "p50 ms", "p99 ms", "max ms", "swap s", "errors"):
+        table.add_column(column, justify="right")
+    for name, phase in results["phases"].items():
+        latency = phase["latency_ms"] or {}
+        table.add_row(
+            name,
+            str(phase["requests"]),
+            str(phase["failed"]),
+            number_text(latency.get("p50"), ".2f"),
+            number_text(latency.get("p99"), ".2f"),
+            number_text(latency.get("max"), ".2f"),
+            number_text(phase.get("swap_s"), ".2f"),
+            ", ".join(f"{status} × {count}" for status, count in phase["errors"].items()),
+        )
+    console = Console(width=160)
+    console.print(table)
+    console.print(f"p99 during a swap vs steady, failures: {verdict_text(results['target'])}")
+
+
+def write_plot(run: dict, results: dict[str, Any], path: Path) -> None:
+    """Each request's latency against time, the swaps shaded."""
+    from loadtest.report import pyplot, save_figure
+
+    plt = pyplot()
+    marks, outcomes = run["marks"], run["outcomes"].outcomes
+    start = marks["start"]
+    figure, axes = plt.subplots(figsize=(8, 4))
+    axes.scatter([o.finished - start for o in outcomes], [1000 * o.latency for o in outcomes], s=2, alpha=0.4)
+    for index in range(results["settings"]["swaps"]):
+        span = (marks[f"swap{index}"] - start, marks[f"swap{index}_done"] + DRAIN_S - start)
+        axes.axvspan(*span, color="orange", alpha=0.2, label="swap" if index == 0 else None)
+    reference = results["phases"]["steady"]["latency_ms"]["p99"]
+    axes.axhline(P99_WITHIN * reference, color="red", linestyle="--", label=f"{P99_WITHIN} × steady p99")
+    axes.set_yscale("log")
+    axes.set_xlabel("seconds")
+    axes.set_ylabel("latency (ms)")
+    axes.set_title("hot swaps under load")
+    axes.legend()
+    save_figure(figure, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import uvloop
+
+    from bench.serving import MODELS, Samples, prepare_store, served_run
+    from loadtest.generator import post_requests
+    from serving.aliases import aliases_path, promote, rollback
+    from serving.manifest import read_manifest
+
+    model = MODELS[args.model]
+    own = Path(tempfile.mkdtemp(prefix="optiserve-bench-swap-")) / "serving-manifest.json"
+    shutil.copy(prepare_store(args), own)  # the aliases go beside the copy, never beside the user's manifest
+    args.manifest = own
+    route = model.route(read_manifest(own))
+    target = args.to or other_version(route.tag)
+    path = aliases_path(own)
+    moves = [
+        lambda: promote(path, target, alias=route.alias, unset=route.tag),
+        lambda: rollback(path, route.recipe, alias=route.alias),
+    ]
+    with served_run(args, "swap") as served:
+        print(f"{model.path} at concurrency {args.concurrency}; {args.swaps} swaps {route.tag} ⇄ {target} …")
+        requests = post_requests(served.url + model.path, model.payloads(Samples()))
+        run = uvloop.run(swaps_under_load(served.url, model.path, requests, moves, args))
+    results = served.record | {"from": route.tag, "to": target} | summarize(run, args.swaps)
+    print_summary(results, model.path)
+    served.finish(results, lambda plot: write_plot(run, results, plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
