@@ -228,6 +228,7 @@ class ServedRun:
     manifest: Any  # serving.manifest.ServingManifest
     record: dict[str, Any]  # run_record, taken before the run: the machine's load at its start
     out: Path  # the run's JSON; its plot goes beside it
+    log: Path  # the server's
 
     def finish(self, results: dict[str, Any], plot: Callable[[Path], None]) -> None:
         write_record(results, self.out)
@@ -248,7 +249,7 @@ def served_run(args: argparse.Namespace, name: str) -> Iterator[ServedRun]:
     record = run_record(args, manifest_path)
     log = args.out / f"logs-{stamp}" / f"optiserve-{name}.log"
     with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
-        yield ServedRun(server.url, server.pid, manifest, record, args.out / f"{name}-{stamp}.json")
+        yield ServedRun(server.url, server.pid, manifest, record, args.out / f"{name}-{stamp}.json", log)
 
 
 def naive_pixel_payloads(files: dict[str, bytes], recipe_path: Path) -> list:

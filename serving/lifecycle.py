@@ -7,8 +7,9 @@ when its last lease ends, so no request in flight loses its model.
 
 An `AliasWatcher` polls the alias file (serving/aliases.py) every `POLL_SECONDS`. When the alias
 a route serves names another version, that version is loaded in a thread, its files checked
-against their sha256 and its session warmed up at the batch sizes it will see, before any traffic
-moves to it. One that fails any of this is logged and refused, and the old model keeps serving.
+against their sha256 and its session warmed up (lightly: serving/model_calls.py
+`in_process_model`), before any traffic moves to it. One that fails any of this is logged and
+refused, and the old model keeps serving.
 
 In process only: under `OPTISERVE_MODEL_PLACEMENT=service` each model service loads its model
 once, at start, so an alias change there takes a restart; an endpoint pinned by the environment
@@ -31,12 +32,13 @@ from serving.classify import ImageClassifier
 from serving.embed import TextEmbedder
 from serving.manifest import Route, override_tag, pinned
 from serving.metrics import count_swap
-from serving.model_calls import batched_model
-from serving.settings import model_placement
+from serving.model_calls import batched_model, in_process_model
+from serving.settings import front_workers, model_placement
 
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
+SWAPPED = "loaded and warmed up"  # in the log line of every swap (bench/swap.py waits for it)
 FRONTS: dict[str, type[ImageClassifier] | type[TextEmbedder]] = {"classify": ImageClassifier, "embed": TextEmbedder}
 
 
@@ -147,7 +149,7 @@ class AliasWatcher:
             return
         old = slot.swap(front)
         count_swap(endpoint, "swapped")
-        logger.info("/%s: %s → %s, loaded and warmed up; %s released", endpoint, name, tag, old.tag)
+        logger.info("/%s: %s → %s, %s; %s released", endpoint, name, tag, SWAPPED, old.tag)
 
     def _open(self, endpoint: str, route: Route, tag: str) -> ImageClassifier | TextEmbedder:
         """The new version's front, its files checked and its session warmed up (in a thread: it
@@ -157,7 +159,9 @@ class AliasWatcher:
         if stored.tag.name != route.recipe:
             raise refused(name, tag, f"/{endpoint} serves {route.recipe} models")
         try:
-            return open_front(endpoint, stored, override_tag(route, tag, named_by=f"alias {name}"))
+            served = override_tag(route, tag, named_by=f"alias {name}")
+            model = in_process_model(endpoint, stored, served, processes=front_workers(), light_warm_up=True)
+            return FRONTS[endpoint].from_stored(stored, served, model)
         except Exception as exc:
             raise refused(name, tag, exc) from exc
 

@@ -66,14 +66,17 @@ def batched_model(endpoint: str, stored: bentoml.Model, route: Route, service: A
     return RemoteModel(service, route)
 
 
-def in_process_model(endpoint: str, stored, route: Route, *, processes: int) -> Batcher:
-    """The stored model's session in this process, behind our batcher with the route's limits."""
+def in_process_model(endpoint: str, stored, route: Route, *, processes: int, light_warm_up: bool = False) -> Batcher:
+    """The stored model's session in this process, behind our batcher with the route's limits.
+    `light_warm_up`: one row (texts: one short, one of the longest) instead of the largest batch,
+    for a hot swap beside traffic (serving/lifecycle.py), where the largest batch, 8 × 256 tokens,
+    took 1.4–1.9 s of both cores; a larger batch then grows the session's memory once, on traffic."""
     settings = EngineSettings.from_environment(processes=processes)
     runtime = load_runtime(
         endpoint,
         stored,
-        max_batch_size=route.max_batch_size,
-        max_batch_tokens=route.max_batch_tokens,
+        max_batch_size=1 if light_warm_up else route.max_batch_size,
+        max_batch_tokens=None if light_warm_up else route.max_batch_tokens,
         settings=settings,
     )
     limits = BatchLimits(
