@@ -20,7 +20,7 @@ from serving import api
 from serving.aliases import aliases_path
 from serving.classify import ImageClassifier
 from serving.embed import TextEmbedder
-from serving.lifecycle import AliasWatcher, Slot, open_front
+from serving.lifecycle import AliasWatcher, Slot, Split, open_front
 from serving.manifest import load_manifest, manifest_path
 from serving.model_services import model_service
 from serving.openapi import AmendedOpenAPI
@@ -51,14 +51,17 @@ class Optiserve:
     image_model = bentoml.depends(ImageModel) if ImageModel is not None else None
     text_stored = bentoml.models.BentoModel(embed_route.tag) if embed_route is not None else None
     text_model = bentoml.depends(TextModel) if TextModel is not None else None
-    classifier: Slot[ImageClassifier] | None = None  # set in __init__ where the manifest routes a model
-    embedder: Slot[TextEmbedder] | None = None
+    classifier: Split[ImageClassifier] | None = None  # set in __init__ where the manifest routes a model
+    embedder: Split[TextEmbedder] | None = None
 
     def __init__(self) -> None:
+        # A canary joins once the alias watcher has loaded it, within seconds of the start.
         if classify_route is not None:
-            self.classifier = Slot(open_front("classify", self.image_stored, classify_route, self.image_model))
+            front = open_front("classify", self.image_stored, classify_route, self.image_model)
+            self.classifier = Split(Slot(front), percent=classify_route.canary_percent)
         if embed_route is not None:
-            self.embedder = Slot(open_front("embed", self.text_stored, embed_route, self.text_model))
+            front = open_front("embed", self.text_stored, embed_route, self.text_model)
+            self.embedder = Split(Slot(front), percent=embed_route.canary_percent)
         self.watcher = AliasWatcher.watching(
             aliases_path(manifest_path()),
             {"classify": classify_route, "embed": embed_route},

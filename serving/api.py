@@ -39,7 +39,7 @@ from serving.errors import (
     UnsupportedMediaType,
 )
 from serving.images import DEFAULT_MAX_BYTES
-from serving.lifecycle import Model, Slot
+from serving.lifecycle import Model, Split
 from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
 from serving.settings import body_timeout_s
 
@@ -47,11 +47,12 @@ logger = logging.getLogger(__name__)
 
 
 class Front(Protocol):
-    """What the front BentoML service instance offers the endpoints: each model in its slot, so
-    that a request keeps the model it started with through a hot swap (serving/lifecycle.py)."""
+    """What the front BentoML service instance offers the endpoints: each endpoint's traffic split
+    between its alias and a canary's, each model in a slot, so that a request keeps the model it
+    started with through a hot swap (serving/lifecycle.py)."""
 
-    classifier: Slot[ImageClassifier] | None
-    embedder: Slot[TextEmbedder] | None
+    classifier: Split[ImageClassifier] | None
+    embedder: Split[TextEmbedder] | None
 
 
 MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
@@ -61,6 +62,7 @@ FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
 DEADLINE_HEADER = "X-Deadline-Ms"
+REQUEST_ID_HEADER = "X-Request-ID"  # picks the canary side: a retry with the same id lands on the same one
 MODEL_TAG_HEADER = "X-Model-Tag"  # the stored model that produced the answer, as its body's `model`
 MAX_DEADLINE_MS = 600_000
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
@@ -232,11 +234,12 @@ def resolve_top_k(request: Request, form: dict[str, str]) -> int:
 
 
 @contextmanager
-def leased(slot: Slot[Model] | None, task: str) -> Iterator[Model]:
-    """The endpoint's model for the whole request, or 503 where the deployment configures none."""
-    if slot is None:
+def leased(split: Split[Model] | None, task: str, request: Request) -> Iterator[Model]:
+    """The model serving this request (its side of the split) for its whole life, or 503 where
+    the deployment configures none."""
+    if split is None:
         raise ModelUnavailable(f"no {task} model is configured in this deployment")
-    with slot.lease() as model:
+    with split.slot(request.headers.get(REQUEST_ID_HEADER)).lease() as model:
         yield model
 
 
@@ -248,7 +251,7 @@ async def read_images(request: Request, field: str, *, max_files: int, hint: str
 
 async def classify(front: Front, request: Request) -> ClassifyResponse:
     with (
-        leased(front.classifier, "image-classification") as images,
+        leased(front.classifier, "image-classification", request) as images,
         images.admit(1, timeout_ms=client_deadline_ms(request)) as admission,  # before the upload is read
     ):
         uploads, top_k = await read_images(request, "image", max_files=1, hint=": send several to /classify_batch")
@@ -257,7 +260,7 @@ async def classify(front: Front, request: Request) -> ClassifyResponse:
 
 
 async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse:
-    with leased(front.classifier, "image-classification") as images:
+    with leased(front.classifier, "image-classification", request) as images:
         deadline_ms = client_deadline_ms(request)
         uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
         with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
@@ -273,7 +276,7 @@ async def embed_request(request: Request, limit: int) -> EmbedRequest:
 
 
 async def embed(front: Front, request: Request) -> EmbedResponse:
-    with leased(front.embedder, "text-embedding") as texts:
+    with leased(front.embedder, "text-embedding", request) as texts:
         deadline_ms = client_deadline_ms(request)
         body = await embed_request(request, MAX_EMBED_BODY_BYTES)
         vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms)
@@ -281,7 +284,7 @@ async def embed(front: Front, request: Request) -> EmbedResponse:
 
 
 async def embed_bulk(front: Front, request: Request) -> EmbedResponse:
-    with leased(front.embedder, "text-embedding") as texts:
+    with leased(front.embedder, "text-embedding", request) as texts:
         body = await embed_request(request, MAX_BULK_BODY_BYTES)
         vectors, tokens = await texts.embed_bulk(body.texts, truncate=body.truncate)
     return embed_response(texts, body, vectors, tokens)

@@ -1,12 +1,14 @@
 """Hot swap: each endpoint's model follows its route's alias while the service runs.
 
-A `Slot` holds what an endpoint serves now. A request leases the model for its whole life
+A `Slot` holds what one alias of an endpoint serves now; a `Split` is the endpoint's traffic,
+its alias's slot and, where the route names a canary, the canary alias's slot for a share of
+the requests. A request leases the model for its whole life
 (admission, reading, decoding, its batch); a swap is one assignment, after which new requests
 lease the new model, and the old one is closed (its engine thread stopped, its session released)
 when its last lease ends, so no request in flight loses its model.
 
-An `AliasWatcher` polls the alias file (serving/aliases.py) every `POLL_SECONDS`. When the alias
-a route serves names another version, that version is loaded in a thread, its files checked
+An `AliasWatcher` polls the alias file (serving/aliases.py) every `POLL_SECONDS`. When an alias
+a route serves (its own, its canary's) names another version, that version is loaded in a thread, its files checked
 against their sha256 and its session warmed up (lightly: serving/model_calls.py
 `in_process_model`), before any traffic moves to it. One that fails any of this is logged and
 refused, and the old model keeps serving.
@@ -19,8 +21,10 @@ once, at start, so an alias change there takes a restart; an endpoint pinned by 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +34,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from serving.aliases import AliasError, label, read_aliases, refused, stored_model
 from serving.classify import ImageClassifier
 from serving.embed import TextEmbedder
-from serving.manifest import Route, override_tag, pinned
+from serving.manifest import Route, pinned, serving_model
 from serving.metrics import count_swap
 from serving.model_calls import batched_model, in_process_model
 from serving.settings import front_workers, model_placement
@@ -90,6 +94,40 @@ class Slot(Generic[Model]):
         return old.model
 
 
+@dataclass
+class Split(Generic[Model]):
+    """An endpoint's traffic: the slot of its route's alias and, once the route's canary alias is
+    set, the canary's slot, which takes `percent` of the requests. The side is drawn from the
+    request's id (`X-Request-ID`), so a client's retry lands where the first try did; a request
+    without one lands at random."""
+
+    primary: Slot[Model]
+    percent: float = 0.0
+    canary: Slot[Model] | None = None
+
+    def slot(self, request_id: str | None) -> Slot[Model]:
+        if self.canary is None or _bucket(request_id) >= self.percent:
+            return self.primary
+        return self.canary
+
+    def put(self, model: Model, *, canary: bool) -> Model | None:
+        """Serve `model` on one side from the next request on; the model it replaces, if any."""
+        if not canary:
+            return self.primary.swap(model)
+        if self.canary is None:
+            self.canary = Slot(model)
+            return None
+        return self.canary.swap(model)
+
+
+def _bucket(request_id: str | None) -> float:
+    """The request's place in [0, 100): fixed by its id (the same in every worker and run)."""
+    if not request_id:
+        return random.uniform(0, 100)
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest) / 2**64 * 100
+
+
 def open_front(endpoint: str, stored: Any, route: Route, remote: Any = None) -> ImageClassifier | TextEmbedder:
     """The endpoint's front over a stored model (`bentoml.Model`), its session where the placement
     puts it (serving/model_calls.py; `remote` is the model service's client there)."""
@@ -97,21 +135,22 @@ def open_front(endpoint: str, stored: Any, route: Route, remote: Any = None) -> 
 
 
 class AliasWatcher:
-    """Moves each watched endpoint to the version its route's alias names, as it changes."""
+    """Moves each watched endpoint's sides (its alias, its canary's) to the versions they name, as
+    they change; a canary joins its endpoint when its alias is first set."""
 
-    def __init__(self, path: Path, routes: dict[str, Route], slots: dict[str, Slot]) -> None:
+    def __init__(self, path: Path, routes: dict[str, Route], splits: dict[str, Split]) -> None:
         self._path = path
         self._routes = routes
-        self._slots = slots
+        self._splits = splits
         self._seen: tuple[int, int, int] | None = None  # the file's identity when last read
 
     @classmethod
-    def watching(cls, path: Path, routes: dict[str, Route | None], slots: dict[str, Slot | None]) -> AliasWatcher:
+    def watching(cls, path: Path, routes: dict[str, Route | None], splits: dict[str, Split | None]) -> AliasWatcher:
         """A watcher of the endpoints that can follow an alias here (see the module docstring)."""
         if model_placement() != "in-process":
             logger.warning("aliases are followed at start only under the service placement: restart to change them")
-            slots = {}
-        followed = {e: s for e, s in slots.items() if s is not None and routes[e] is not None and not pinned(e)}
+            splits = {}
+        followed = {e: s for e, s in splits.items() if s is not None and routes[e] is not None and not pinned(e)}
         return cls(path, {e: routes[e] for e in followed}, followed)
 
     async def run(self) -> None:
@@ -124,8 +163,8 @@ class AliasWatcher:
             await asyncio.sleep(POLL_SECONDS)
 
     async def check(self) -> None:
-        """Swap every endpoint whose alias names another version, once per change of the file."""
-        if not self._slots or (seen := _identity(self._path)) == self._seen:
+        """Move every side whose alias names another version, once per change of the file."""
+        if not self._splits or (seen := _identity(self._path)) == self._seen:
             return
         self._seen = seen
         try:
@@ -133,33 +172,38 @@ class AliasWatcher:
         except AliasError as exc:
             logger.error("%s; every endpoint keeps its model", exc)
             return
-        for endpoint, slot in self._slots.items():
+        for endpoint, split in self._splits.items():
             route = self._routes[endpoint]
-            tag = aliases.tag(route.recipe, route.alias)
-            if tag is not None and tag != slot.model.tag:
-                await self._move(endpoint, slot, route, tag)
+            sides = [(route.alias, split.primary, False)]
+            if route.canary is not None:
+                sides.append((route.canary.alias, split.canary, True))
+            for alias, slot, canary in sides:
+                tag = aliases.tag(route.recipe, alias)
+                if tag is not None and (slot is None or tag != slot.model.tag):
+                    await self._move(endpoint, route, split, alias, tag, canary=canary)
 
-    async def _move(self, endpoint: str, slot: Slot, route: Route, tag: str) -> None:
-        name = label(route.recipe, route.alias)
+    async def _move(self, endpoint: str, route: Route, split: Split, alias: str, tag: str, *, canary: bool) -> None:
+        name = label(route.recipe, alias)
         try:
-            front = await asyncio.to_thread(self._open, endpoint, route, tag)
+            front = await asyncio.to_thread(self._open, endpoint, route, name, tag)
         except AliasError as exc:  # whatever the new version does wrong, the old one keeps serving
-            logger.error("/%s: %s; %s keeps serving", endpoint, exc, slot.model.tag)
+            serving = (split.canary if canary else split.primary) or split.primary
+            logger.error("/%s: %s; %s keeps serving", endpoint, exc, serving.model.tag)
             count_swap(endpoint, "refused")
             return
-        old = slot.swap(front)
+        old = split.put(front, canary=canary)
         count_swap(endpoint, "swapped")
-        logger.info("/%s: %s → %s, %s; %s released", endpoint, name, tag, SWAPPED, old.tag)
+        released = f"{old.tag} released" if old is not None else f"now {split.percent:g} % of the requests"
+        logger.info("/%s: %s → %s, %s; %s", endpoint, name, tag, SWAPPED, released)
 
-    def _open(self, endpoint: str, route: Route, tag: str) -> ImageClassifier | TextEmbedder:
+    def _open(self, endpoint: str, route: Route, name: str, tag: str) -> ImageClassifier | TextEmbedder:
         """The new version's front, its files checked and its session warmed up (in a thread: it
         takes seconds); `AliasError` naming the alias and the tag for any failure."""
-        name = label(route.recipe, route.alias)
         stored = stored_model(tag, alias=name)
         if stored.tag.name != route.recipe:
             raise refused(name, tag, f"/{endpoint} serves {route.recipe} models")
         try:
-            served = override_tag(route, tag, named_by=f"alias {name}")
+            served = serving_model(route, stored)
             model = in_process_model(endpoint, stored, served, processes=front_workers(), light_warm_up=True)
             return FRONTS[endpoint].from_stored(stored, served, model)
         except Exception as exc:

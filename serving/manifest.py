@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS, Aliases, aliases_path, read_aliases
 from serving.files import write_atomically
@@ -21,6 +22,21 @@ DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "serving-manifest.js
 TAG_OVERRIDE_ENV = {"classify": "OPTISERVE_CLASSIFY_MODEL", "embed": "OPTISERVE_EMBED_MODEL"}
 
 
+class Canary(BaseModel):
+    """A share of an endpoint's requests served by another alias of its model, the same share of
+    request ids always (serving/lifecycle.py `Split`): a client's retry lands on the same side."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    alias: str = Field(pattern=ALIAS_NAME)
+    percent: float = Field(gt=0, lt=100)
+
+
+def check_canary(alias: str, canary: Canary | None) -> None:
+    """A canary serves another alias than the route's own (recipes and routes both check)."""
+    if canary is not None and canary.alias == alias:
+        raise ValueError(f"canary.alias: {alias!r} is the route's own alias")
+
+
 class Route(BaseModel):
     """One endpoint's model and the batching its profile chose (serving/batching.py)."""
 
@@ -28,10 +44,20 @@ class Route(BaseModel):
     tag: str  # the pipeline's latest build, served until the alias is set
     recipe: str
     alias: str = Field(default=DEFAULT_ALIAS, pattern=ALIAS_NAME)  # `python -m pipeline promote` moves it
+    canary: Canary | None = None  # served beside the alias once its own alias is set
     max_batch_size: int = Field(ge=2)  # rows per engine call; BentoML's batchable APIs need at least 2
     max_batch_tokens: int | None = Field(default=None, ge=1)  # text: padded tokens per engine call
     max_latency_ms: int = Field(ge=1)  # a request's deadline in the server: queue wait plus its batch
     max_items_per_request: int = Field(ge=1)
+
+    @property
+    def canary_percent(self) -> float:
+        return self.canary.percent if self.canary is not None else 0.0
+
+    @model_validator(mode="after")
+    def _canary_is_another_alias(self) -> Route:
+        check_canary(self.alias, self.canary)
+        return self
 
 
 class ServingManifest(BaseModel):
@@ -89,13 +115,19 @@ def override_tag(route: Route, tag: str, *, named_by: str) -> Route:
     import bentoml
 
     try:
-        metadata = bentoml.models.get(tag).info.metadata
+        stored = bentoml.models.get(tag)
     except bentoml.exceptions.NotFound as exc:
         raise ManifestError(f"model {tag!r} named by {named_by} is not in the model store") from exc
-    batching = metadata.get("batching") or {}
+    return serving_model(route, stored)
+
+
+def serving_model(route: Route, stored: Any) -> Route:
+    """The route serving a stored model (`bentoml.Model`, its metadata read already: a hot swap
+    reads it once), with that model's profiled batching where it has one."""
+    batching = stored.info.metadata.get("batching") or {}
     return route.model_copy(
         update={
-            "tag": tag,
+            "tag": str(stored.tag),
             "max_batch_size": batching.get("max_batch_size", route.max_batch_size),
             "max_batch_tokens": batching.get("max_batch_tokens", route.max_batch_tokens),
             "max_latency_ms": batching.get("max_latency_ms", route.max_latency_ms),

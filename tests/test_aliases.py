@@ -20,7 +20,7 @@ from pipeline.__main__ import main
 from pipeline.registry import register
 from serving.aliases import AliasError, Aliases, aliases_path, promote, read_aliases, rollback
 from serving.batching import Batcher, BatchLimits
-from serving.lifecycle import Slot
+from serving.lifecycle import Slot, Split
 from serving.manifest import Route, ServingManifest, load_manifest, write_manifest
 from serving.metrics import ModelMetrics
 
@@ -216,3 +216,15 @@ def test_a_swap_closes_an_idle_model_at_once() -> None:
     slot = Slot(front("old"))
     old = slot.swap(front("new"))
     assert old.batcher._closed and slot.model.tag == "new"
+
+
+def test_a_split_sends_its_share_of_request_ids_to_the_canary_and_an_id_always_to_the_same_side() -> None:
+    split = Split(Slot(front("primary")), percent=20.0)
+    assert {split.slot(f"id-{i}").model.tag for i in range(100)} == {"primary"}, "no canary yet"
+    assert split.put(front("canary"), canary=True) is None
+
+    sides = [split.slot(f"id-{i}").model.tag for i in range(10_000)]
+    assert 19.0 <= 100 * sides.count("canary") / len(sides) <= 21.0
+    assert all(split.slot(f"id-{i}").model.tag == sides[i] for i in range(100))
+    assert split.put(front("canary-2"), canary=True).tag == "canary"
+    assert split.slot("id-0").model.tag == sides[0].replace("canary", "canary-2")

@@ -4,7 +4,6 @@ promote/rollback` move its alias, and while the alias names a model that must be
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
 import threading
@@ -24,11 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from sample_inputs import sample_photos
 from serving.aliases import Version, aliases_path, read_aliases
 from serving.files import write_atomically
+from serving.manifest import Canary, read_manifest, write_manifest
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 ALIAS = "text-embedder@stable"
+CANARY_PERCENT = 20
 SWAP_TIMEOUT_S = 120  # loading and warming up MiniLM beside the traffic, on a busy 2-core machine
 
 
@@ -44,10 +45,12 @@ class Lifecycle:
 @pytest.fixture(scope="module")
 def lifecycle(built_models, manifest_file: Path, tmp_path_factory) -> Iterator[Lifecycle]:
     """Both default models served from a copy of the suite's manifest, so the aliases beside it are
-    this module's own."""
+    this module's own; /embed has a canary, idle until its alias is set."""
     folder = tmp_path_factory.mktemp("lifecycle")
     manifest = folder / "serving-manifest.json"
-    shutil.copy(manifest_file, manifest)
+    routes = read_manifest(manifest_file)
+    canary = routes.embed.model_copy(update={"canary": Canary(alias="canary", percent=CANARY_PERCENT)})
+    write_manifest(routes.model_copy(update={"embed": canary}), manifest)
     built = built_models["text-embedder"].model
     rebuilt = str(new_version(built).tag)
     log = folder / "bentoml.log"
@@ -184,3 +187,33 @@ def test_every_model_answer_names_its_model_in_a_header(lifecycle) -> None:
     for response in (classified, batch, embedded):
         assert response.status_code == 200 and response.headers["x-model-tag"] == response.json()["model"]
     assert refused.status_code == 400 and "x-model-tag" not in refused.headers
+
+
+def wait_logged(log: Path, text: str) -> None:
+    deadline = time.monotonic() + SWAP_TIMEOUT_S
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, f"the server did not log {text!r} within {SWAP_TIMEOUT_S} s"
+        time.sleep(0.2)
+
+
+def test_a_canary_takes_its_share_of_request_ids_and_a_retry_stays_on_its_side(lifecycle) -> None:
+    primary = httpx.post(f"{lifecycle.server.url}/embed", json={"texts": ["who?"]}, timeout=30).headers["x-model-tag"]
+    assert primary != lifecycle.rebuilt
+    assert (
+        pipeline_command("promote", lifecycle.rebuilt, "--alias", "canary", manifest=lifecycle.manifest).returncode == 0
+    )
+    joined = f"/embed: text-embedder@canary → {lifecycle.rebuilt}, loaded and warmed up; now {CANARY_PERCENT} %"
+    wait_logged(lifecycle.log, joined)
+
+    with lifecycle.server.client() as client:
+
+        def tag(request_id: str) -> str:
+            response = client.post("/embed", json={"texts": ["a split"]}, headers={"X-Request-ID": request_id})
+            assert response.status_code == 200, response.text
+            return response.headers["x-model-tag"]
+
+        tags = [tag(f"request-{i}") for i in range(500)]
+        retried = {index: {tag(f"request-{index}") for _ in range(3)} for index in range(10)}
+    assert set(tags) == {primary, lifecycle.rebuilt}
+    assert abs(100 * tags.count(lifecycle.rebuilt) / len(tags) - CANARY_PERCENT) <= 5
+    assert retried == {index: {tags[index]} for index in range(10)}
