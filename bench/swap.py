@@ -59,7 +59,7 @@ def other_version(tag: str) -> str:
     return str(max(others, key=lambda m: (m.info.labels.get("variant") == variant, m.info.creation_time)).tag)
 
 
-async def swaps_under_load(url: str, path: str, requests: list, moves: list, log: Path, args) -> dict:
+async def swaps_under_load(url: str, path: str, requests: list, moves: list, swaps: SwapLines, args) -> dict:
     """The load never pauses. Swap i runs the command `moves[i % 2]` in a process of its own, as a
     user would, and ends with the service's log line of the swap: the client's loop neither parses
     /metrics nor hashes model files meanwhile, and the server serves no scrape."""
@@ -70,7 +70,6 @@ async def swaps_under_load(url: str, path: str, requests: list, moves: list, log
     recorder, stop, pool = Recorder(), asyncio.Event(), Pool(url + path, timeout=30)
     load = asyncio.create_task(closed_loop(pool, requests, concurrency=args.concurrency, stop=stop, recorder=recorder))
     marks = {"start": time.perf_counter()}
-    swaps = SwapLines(log)
     await asyncio.sleep(args.steady_s)
     for index in range(args.swaps):
         seen = swaps.count()
@@ -90,20 +89,20 @@ async def swaps_under_load(url: str, path: str, requests: list, moves: list, log
 
 
 class SwapLines:
-    """Swaps the server has logged so far, reading only what the log gained since the last look."""
+    """Swaps the server has logged so far, reading only what the log gained since the last look.
+    `marker` is serving.lifecycle's SWAPPED, imported before the load starts: imported on the
+    load generator's loop, serving's imports (onnxruntime among them) stalled it for 0.6 s."""
 
-    def __init__(self, log: Path) -> None:
-        self._log, self._offset, self._count = log, 0, 0
+    def __init__(self, log: Path, marker: str) -> None:
+        self._log, self._marker, self._offset, self._count = log, marker.encode(), 0, 0
 
     def count(self) -> int:
-        from serving.lifecycle import SWAPPED
-
         with self._log.open("rb") as handle:
             handle.seek(self._offset)
             gained = handle.read()
         whole = gained.rfind(b"\n") + 1
         self._offset += whole
-        self._count += gained[:whole].count(SWAPPED.encode())
+        self._count += gained[:whole].count(self._marker)
         return self._count
 
 
@@ -201,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.serving import MODELS, Samples, prepare_store, served_run
     from loadtest.generator import post_requests
+    from serving.lifecycle import SWAPPED
     from serving.manifest import read_manifest
 
     model = MODELS[args.model]
@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     with served_run(args, "swap") as served:
         print(f"{model.path} at concurrency {args.concurrency}; {args.swaps} swaps {route.tag} ⇄ {target} …")
         requests = post_requests(served.url + model.path, model.payloads(Samples()))
-        run = uvloop.run(swaps_under_load(served.url, model.path, requests, moves, served.log, args))
+        swaps = SwapLines(served.log, SWAPPED)
+        run = uvloop.run(swaps_under_load(served.url, model.path, requests, moves, swaps, args))
     results = served.record | {"from": route.tag, "to": target} | summarize(run, args.swaps)
     print_summary(results, model.path)
     served.finish(results, lambda plot: write_plot(run, results, plot))

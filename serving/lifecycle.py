@@ -1,15 +1,15 @@
-"""Hot swap: each endpoint's model follows its route's alias while the service runs.
+"""Hot swap: each endpoint's models follow its route's aliases while the service runs.
 
-A `Slot` holds what one alias of an endpoint serves now; a `Split` is the endpoint's traffic,
-its alias's slot and, where the route names a canary, the canary alias's slot for a share of
-the requests. A request leases the model for its whole life
-(admission, reading, decoding, its batch); a swap is one assignment, after which new requests
-lease the new model, and the old one is closed (its engine thread stopped, its session released)
-when its last lease ends, so no request in flight loses its model.
+A `Slot` holds what one alias of an endpoint serves now; a `Split` is the endpoint's traffic: its
+alias's slot and, where the route names a canary, the canary alias's slot for a share of the
+requests. A request leases its model for its whole life (admission, reading, decoding, its
+batch); a swap is one assignment, after which new requests lease the new model, and the old one
+is closed (its engine thread stopped, its session released) when its last lease ends, so no
+request in flight loses its model.
 
-An `AliasWatcher` polls the alias file (serving/aliases.py) every `POLL_SECONDS`. When an alias
-a route serves (its own, its canary's) names another version, that version is loaded in a thread, its files checked
-against their sha256 and its session warmed up (lightly: serving/model_calls.py
+An `AliasWatcher` polls the alias file (serving/aliases.py) every `POLL_SECONDS`. When an alias a
+route serves (its own, its canary's) names another version, that version is loaded in a thread,
+its files checked against their sha256 and its session warmed up (lightly: serving/model_calls.py
 `in_process_model`), before any traffic moves to it. One that fails any of this is logged and
 refused, and the old model keeps serving.
 
@@ -63,8 +63,8 @@ class _Held(Generic[Model]):
 
 
 class Slot(Generic[Model]):
-    """The model an endpoint serves now. Leases and swaps happen on the event loop only, so the
-    counts need no lock."""
+    """The model one alias of an endpoint serves now. Leases and swaps happen on the event loop
+    only, so the counts need no lock."""
 
     def __init__(self, model: Model) -> None:
         self._held = _Held(model)
