@@ -184,9 +184,12 @@ def test_every_model_answer_names_its_model_in_a_header(lifecycle) -> None:
         batch = client.post("/classify_batch", files=[("images", ("c.jpg", sample_photos()["chelsea"]))])
         embedded = client.post("/embed", json={"texts": ["a header"]})
         refused = client.post("/embed", json={"texts": []})
+        documented = client.get("/docs.json").json()["paths"]
     for response in (classified, batch, embedded):
         assert response.status_code == 200 and response.headers["x-model-tag"] == response.json()["model"]
     assert refused.status_code == 400 and "x-model-tag" not in refused.headers
+    for path in ("/classify", "/classify_batch", "/embed"):
+        assert "X-Model-Tag" in documented[path]["post"]["responses"]["200"]["headers"]
 
 
 def wait_logged(log: Path, text: str) -> None:
