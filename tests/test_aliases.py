@@ -15,12 +15,14 @@ from pathlib import Path
 import bentoml
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from pipeline.__main__ import main
 from pipeline.registry import register
-from serving.aliases import AliasError, Aliases, aliases_path, promote, read_aliases, rollback
+from serving.aliases import Alias, AliasError, Aliases, Version, aliases_path, promote, read_aliases, rollback
 from serving.batching import Batcher, BatchLimits
-from serving.lifecycle import Slot, Split
+from serving.files import write_atomically
+from serving.lifecycle import AliasWatcher, Slot, Split
 from serving.manifest import Route, ServingManifest, load_manifest, write_manifest
 from serving.metrics import ModelMetrics
 
@@ -228,3 +230,25 @@ def test_a_split_sends_its_share_of_request_ids_to_the_canary_and_an_id_always_t
     assert all(split.slot(f"id-{i}").model.tag == sides[i] for i in range(100))
     assert split.put(front("canary-2"), canary=True).tag == "canary"
     assert split.slot("id-0").model.tag == sides[0].replace("canary", "canary-2")
+
+
+def test_the_watcher_refuses_a_version_of_another_model_and_keeps_serving(
+    tmp_path: Path, versions: list[str], caplog
+) -> None:
+    path = tmp_path / "serving-aliases.json"
+    hand_edited = Aliases(
+        models={"text-embedder": {"stable": Alias(current=Version(tag=versions[0], since="2026-12-01T00:00:00Z"))}}
+    )
+    write_atomically(path, hand_edited.model_dump_json())
+    route = Route(
+        tag="text-embedder:built", recipe="text-embedder", max_batch_size=4, max_latency_ms=900, max_items_per_request=8
+    )
+    split = Split(Slot(front("text-embedder:built")))
+    refusals = {"endpoint": "embed", "outcome": "refused"}
+    before = REGISTRY.get_sample_value("optiserve_model_swaps_total", refusals) or 0.0
+
+    asyncio.run(AliasWatcher(path, {"embed": route}, {"embed": split}).check())
+
+    assert split.primary.model.tag == "text-embedder:built"
+    assert REGISTRY.get_sample_value("optiserve_model_swaps_total", refusals) == before + 1
+    assert f"alias text-embedder@stable → {versions[0]} refused: /embed serves text-embedder models" in caplog.text
