@@ -21,8 +21,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -107,20 +105,12 @@ class SwapLines:
 
 
 def summarize(run: dict, swaps: int) -> dict[str, Any]:
-    from loadtest.stats import latency_ms
+    from bench.serving import phase_figures
 
     marks, recorder = run["marks"], run["outcomes"]
 
     def phase(start: float, end: float) -> dict[str, Any]:
-        outcomes = recorder.between(start, end)
-        latency = latency_ms([o.latency for o in outcomes if o.ok])
-        errors = Counter(o.status for o in outcomes if not o.ok)
-        return {
-            "requests": len(outcomes),
-            "failed": errors.total(),
-            "errors": dict(errors),
-            "latency_ms": asdict(latency) if latency else None,
-        }
+        return phase_figures(recorder, start, end)
 
     phases = {"steady": phase(marks["start"], marks["swap0"])}
     ratios = []
@@ -146,27 +136,20 @@ def summarize(run: dict, swaps: int) -> dict[str, Any]:
 
 def print_summary(results: dict[str, Any], endpoint: str) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    from bench.serving import number_text, verdict_text
+    from bench.serving import number_text, phase_table, verdict_text
 
     concurrency = results["settings"]["concurrency"]
-    table = Table(title=f"{endpoint} at concurrency {concurrency}: {results['from']} ⇄ {results['to']}")
-    for column in ("phase", "requests", "failed", "p50 ms", "p99 ms", "max ms", "swap s", "p99 / before", "errors"):
-        table.add_column(column, justify="right")
-    for name, phase in results["phases"].items():
-        latency = phase["latency_ms"] or {}
-        table.add_row(
-            name,
-            str(phase["requests"]),
-            str(phase["failed"]),
-            number_text(latency.get("p50"), ".2f"),
-            number_text(latency.get("p99"), ".2f"),
-            number_text(latency.get("max"), ".2f"),
-            number_text(phase.get("swap_s"), ".2f"),
-            number_text(phase.get("p99_vs_before"), ".2f"),
-            ", ".join(f"{status} × {count}" for status, count in phase["errors"].items()),
-        )
+    title = f"{endpoint} at concurrency {concurrency}: {results['from']} ⇄ {results['to']}"
+    table = phase_table(
+        title,
+        results["phases"],
+        {
+            "swap s": lambda phase: number_text(phase.get("swap_s"), ".2f"),
+            "p99 / before": lambda phase: number_text(phase.get("p99_vs_before"), ".2f"),
+            "errors": lambda phase: ", ".join(f"{status} × {count}" for status, count in phase["errors"].items()),
+        },
+    )
     console = Console(width=160)
     console.print(table)
     console.print(f"p99 during a swap vs just before it, failures: {verdict_text(results['target'])}")
@@ -174,24 +157,14 @@ def print_summary(results: dict[str, Any], endpoint: str) -> None:
 
 def write_plot(run: dict, results: dict[str, Any], path: Path) -> None:
     """Each request's latency against time, the swaps shaded."""
-    from loadtest.report import pyplot, save_figure
+    from bench.serving import latency_timeline
+    from loadtest.report import save_figure
 
-    plt = pyplot()
-    marks, outcomes = run["marks"], run["outcomes"].outcomes
-    start = marks["start"]
-    figure, axes = plt.subplots(figsize=(8, 4))
-    axes.scatter([o.finished - start for o in outcomes], [1000 * o.latency for o in outcomes], s=2, alpha=0.4)
-    for index in range(results["settings"]["swaps"]):
-        span = (marks[f"swap{index}"] - start, marks[f"swap{index}_done"] + DRAIN_S - start)
-        axes.axvspan(*span, color="orange", alpha=0.2, label="swap" if index == 0 else None)
+    marks = run["marks"]
+    spans = [(marks[f"swap{i}"], marks[f"swap{i}_done"] + DRAIN_S) for i in range(results["settings"]["swaps"])]
     reference = results["phases"]["steady"]["latency_ms"]["p99"]
-    axes.axhline(P99_WITHIN * reference, color="red", linestyle="--", label=f"{P99_WITHIN} × first steady p99")
-    axes.set_yscale("log")
-    axes.set_xlabel("seconds")
-    axes.set_ylabel("latency (ms)")
-    axes.set_title("hot swaps under load")
-    axes.legend()
-    save_figure(figure, path)
+    line = (P99_WITHIN * reference, f"{P99_WITHIN} × first steady p99")
+    save_figure(latency_timeline(run, spans, "swap", line, ("latency (ms)", "hot swaps under load")), path)
 
 
 def main(argv: list[str] | None = None) -> int:
