@@ -20,7 +20,7 @@ from serving import api
 from serving.aliases import aliases_path
 from serving.classify import ImageClassifier
 from serving.embed import TextEmbedder
-from serving.lifecycle import AliasWatcher, Slot, Split, open_front
+from serving.lifecycle import AliasWatcher, Split, open_front
 from serving.manifest import load_manifest, manifest_path
 from serving.model_services import model_service
 from serving.openapi import AmendedOpenAPI
@@ -55,13 +55,13 @@ class Optiserve:
     embedder: Split[TextEmbedder] | None = None
 
     def __init__(self) -> None:
-        # A canary joins once the alias watcher has loaded it, within seconds of the start.
+        # A canary or a shadow joins once the alias watcher has loaded it, within seconds of the start.
         if classify_route is not None:
             front = open_front("classify", self.image_stored, classify_route, self.image_model)
-            self.classifier = Split(Slot(front), percent=classify_route.canary_percent)
+            self.classifier = Split.of(classify_route, front)
         if embed_route is not None:
             front = open_front("embed", self.text_stored, embed_route, self.text_model)
-            self.embedder = Split(Slot(front), percent=embed_route.canary_percent)
+            self.embedder = Split.of(embed_route, front)
         self.watcher = AliasWatcher.watching(
             aliases_path(manifest_path()),
             {"classify": classify_route, "embed": embed_route},

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS
 from serving.artifacts import file_digest
-from serving.manifest import Canary, check_canary
+from serving.manifest import Share, check_sides
 from serving.model_spec import Task
 
 PACKAGE_PREFIX = "package:"
@@ -112,11 +112,12 @@ class Serving(Strict):
         pattern=ALIAS_NAME,
         description="the alias the endpoint serves once it is set (`python -m pipeline promote`)",
     )
-    canary: Canary | None = Field(default=None, description="another alias served a share of the requests")
+    canary: Share | None = Field(default=None, description="another alias answering a share of the requests")
+    shadow: Share | None = Field(default=None, description="another alias running a share of the requests beside")
 
     @model_validator(mode="after")
-    def _canary_is_another_alias(self) -> Serving:
-        check_canary(self.alias, self.canary)
+    def _sides_are_other_aliases(self) -> Serving:
+        check_sides(self.alias, self.canary, self.shadow)
         return self
 
 

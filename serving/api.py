@@ -42,6 +42,7 @@ from serving.images import DEFAULT_MAX_BYTES
 from serving.lifecycle import Model, Split
 from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
 from serving.settings import body_timeout_s
+from serving.shadow import shadowing
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
 DEADLINE_HEADER = "X-Deadline-Ms"
-REQUEST_ID_HEADER = "X-Request-ID"  # picks the canary side: a retry with the same id lands on the same one
+REQUEST_ID_HEADER = "X-Request-ID"  # picks the canary and shadow shares: a retry lands where its first try did
 MODEL_TAG_HEADER = "X-Model-Tag"  # the stored model that produced the answer, as its body's `model`
 MAX_DEADLINE_MS = 600_000
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
@@ -233,13 +234,17 @@ def resolve_top_k(request: Request, form: dict[str, str]) -> int:
     return int(value)
 
 
+def request_id(request: Request) -> str | None:
+    return request.headers.get(REQUEST_ID_HEADER)
+
+
 @contextmanager
 def leased(split: Split[Model] | None, task: str, request: Request) -> Iterator[Model]:
     """The model serving this request (its side of the split) for its whole life, or 503 where
     the deployment configures none."""
     if split is None:
         raise ModelUnavailable(f"no {task} model is configured in this deployment")
-    with split.slot(request.headers.get(REQUEST_ID_HEADER)).lease() as model:
+    with split.slot(request_id(request)).lease() as model:
         yield model
 
 
@@ -255,7 +260,9 @@ async def classify(front: Front, request: Request) -> ClassifyResponse:
         images.admit(1, timeout_ms=client_deadline_ms(request)) as admission,  # before the upload is read
     ):
         uploads, top_k = await read_images(request, "image", max_files=1, hint=": send several to /classify_batch")
-        (predictions,) = await images.classify(uploads, top_k, admission)
+        (predictions,) = await images.classify(
+            uploads, top_k, admission, shadowing(front.classifier, "classify", images.tag, request_id(request))
+        )
     return ClassifyResponse(model=images.tag, predictions=predictions)
 
 
@@ -264,7 +271,9 @@ async def classify_batch(front: Front, request: Request) -> ClassifyBatchRespons
         deadline_ms = client_deadline_ms(request)
         uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
         with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
-            results = await images.classify(uploads, top_k, admission)
+            results = await images.classify(
+                uploads, top_k, admission, shadowing(front.classifier, "classify", images.tag, request_id(request))
+            )
     return ClassifyBatchResponse(model=images.tag, results=results)
 
 
@@ -279,7 +288,8 @@ async def embed(front: Front, request: Request) -> EmbedResponse:
     with leased(front.embedder, "text-embedding", request) as texts:
         deadline_ms = client_deadline_ms(request)
         body = await embed_request(request, MAX_EMBED_BODY_BYTES)
-        vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms)
+        observe = shadowing(front.embedder, "embed", texts.tag, request_id(request))
+        vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms, observe=observe)
     return embed_response(texts, body, vectors, tokens)
 
 

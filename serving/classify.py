@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from serving.batching import Admission
 from serving.errors import InputTooLarge, InvalidInput
 from serving.images import check_content_type, decode_image, resize_center_crop
 from serving.manifest import Route
-from serving.model_calls import BatchedModel
+from serving.model_calls import BatchedModel, Observer
 from serving.model_runtime import read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
 from serving.schemas import Prediction
@@ -80,11 +81,16 @@ class ImageClassifier:
             raise InputTooLarge(f"{images} images in one request; the limit is {self.max_items_per_request}")
         return self.model.admit(images, timeout_ms=timeout_ms)
 
-    async def classify(self, uploads: list[ImageUpload], top_k: int, admission: Admission) -> list[list[Prediction]]:
+    async def classify(
+        self, uploads: list[ImageUpload], top_k: int, admission: Admission, observe: Observer | None = None
+    ) -> list[list[Prediction]]:
         if top_k < 1:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
         pixels = await asyncio.gather(
             *(anyio.to_thread.run_sync(prepare_image, upload, self.spec) for upload in uploads)
         )
-        probabilities = await self.model.run(np.stack(pixels), admission)
+        rows, started = np.stack(pixels), time.perf_counter()
+        probabilities = await self.model.run(rows, admission)
+        if observe is not None:
+            observe(rows, probabilities, time.perf_counter() - started)
         return [top_k_predictions(row, self.class_names, top_k) for row in probabilities]

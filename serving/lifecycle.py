@@ -1,17 +1,17 @@
 """Hot swap: each endpoint's models follow its route's aliases while the service runs.
 
 A `Slot` holds what one alias of an endpoint serves now; a `Split` is the endpoint's traffic: its
-alias's slot and, where the route names a canary, the canary alias's slot for a share of the
-requests. A request leases its model for its whole life (admission, reading, decoding, its
-batch); a swap is one assignment, after which new requests lease the new model, and the old one
-is closed (its engine thread stopped, its session released) when its last lease ends, so no
-request in flight loses its model.
+alias's slot and, where the route names them, a canary's slot answering a share of the requests
+and a shadow's running a share of them beside (serving/shadow.py). A request leases its model
+for its whole life (admission, reading, decoding, its batch); a swap is one assignment, after
+which new requests lease the new model, and the old one is closed (its engine thread stopped,
+its session released) when its last lease ends, so no request in flight loses its model.
 
 An `AliasWatcher` polls the alias file (serving/aliases.py) every `POLL_SECONDS`. When an alias a
-route serves (its own, its canary's) names another version, that version is loaded in a thread,
-its files checked against their sha256 and its session warmed up (lightly: serving/model_calls.py
-`in_process_model`), before any traffic moves to it. One that fails any of this is logged and
-refused, and the old model keeps serving.
+route serves (its own, its canary's, its shadow's) names another version, that version is loaded
+in a thread, its files checked against their sha256 and its session warmed up (lightly:
+serving/model_calls.py `in_process_model`), before any traffic moves to it. One that fails any of
+this is logged and refused, and the old model keeps serving.
 
 In process only: under `OPTISERVE_MODEL_PLACEMENT=service` each model service loads its model
 once, at start, so an alias change there takes a restart; an endpoint pinned by the environment
@@ -27,9 +27,9 @@ import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from serving.aliases import AliasError, label, read_aliases, refused, stored_model
 from serving.classify import ImageClassifier
@@ -94,37 +94,56 @@ class Slot(Generic[Model]):
         return old.model
 
 
+Side = Literal["primary", "canary", "shadow"]
+
+
 @dataclass
 class Split(Generic[Model]):
-    """An endpoint's traffic: the slot of its route's alias and, once the route's canary alias is
-    set, the canary's slot, which takes `percent` of the requests. The side is drawn from the
-    request's id (`X-Request-ID`), so a client's retry lands where the first try did; a request
-    without one lands at random."""
+    """An endpoint's traffic: the slot of its route's alias and, once their aliases are set, a
+    canary's slot answering `canary_percent` of the requests and a shadow's running
+    `shadow_percent` of them beside, never answering (serving/shadow.py). A request's shares are
+    drawn from its id (`X-Request-ID`), so a client's retry lands where the first try did; a
+    request without one lands at random."""
 
     primary: Slot[Model]
-    percent: float = 0.0
+    canary_percent: float = 0.0
+    shadow_percent: float = 0.0
     canary: Slot[Model] | None = None
+    shadow: Slot[Model] | None = None
+    shadow_runs: set[asyncio.Task] = field(default_factory=set)  # in flight (serving/shadow.py)
+
+    @classmethod
+    def of(cls, route: Route, model: Model) -> Split[Model]:
+        """The split a route asks for, serving `model` until its other aliases are set."""
+        shares = {f"{side}_percent": share.percent for side in ("canary", "shadow") if (share := getattr(route, side))}
+        return cls(Slot(model), **shares)
 
     def slot(self, request_id: str | None) -> Slot[Model]:
-        if self.canary is None or _bucket(request_id) >= self.percent:
+        if self.canary is None or _bucket(request_id, "canary") >= self.canary_percent:
             return self.primary
         return self.canary
 
-    def put(self, model: Model, *, canary: bool) -> Model | None:
-        """Serve `model` on one side from the next request on; the model it replaces, if any."""
-        if not canary:
-            return self.primary.swap(model)
-        if self.canary is None:
-            self.canary = Slot(model)
+    def shadowed(self, request_id: str | None) -> Slot[Model] | None:
+        """The shadow's slot if this request is in its share."""
+        if self.shadow is None or _bucket(request_id, "shadow") >= self.shadow_percent:
             return None
-        return self.canary.swap(model)
+        return self.shadow
+
+    def put(self, model: Model, side: Side) -> Model | None:
+        """Serve `model` on one side from the next request on; the model it replaces, if any."""
+        slot = getattr(self, side)
+        if slot is None:
+            setattr(self, side, Slot(model))
+            return None
+        return slot.swap(model)
 
 
-def _bucket(request_id: str | None) -> float:
-    """The request's place in [0, 100): fixed by its id (the same in every worker and run)."""
+def _bucket(request_id: str | None, share: str) -> float:
+    """The request's place in [0, 100) for one share: fixed by its id (the same in every worker and
+    run), drawn apart for each share so that a canary's requests are not all shadowed too."""
     if not request_id:
         return random.uniform(0, 100)
-    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{share}:{request_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest) / 2**64 * 100
 
 
@@ -135,8 +154,8 @@ def open_front(endpoint: str, stored: Any, route: Route, remote: Any = None) -> 
 
 
 class AliasWatcher:
-    """Moves each watched endpoint's sides (its alias, its canary's) to the versions they name, as
-    they change; a canary joins its endpoint when its alias is first set."""
+    """Moves each watched endpoint's sides (its alias, its canary's, its shadow's) to the versions
+    they name, as they change; a canary or a shadow joins its endpoint when its alias is first set."""
 
     def __init__(self, path: Path, routes: dict[str, Route], splits: dict[str, Split]) -> None:
         self._path = path
@@ -174,37 +193,44 @@ class AliasWatcher:
             return
         for endpoint, split in self._splits.items():
             route = self._routes[endpoint]
-            sides = [(route.alias, split.primary, False)]
-            if route.canary is not None:
-                sides.append((route.canary.alias, split.canary, True))
-            for alias, slot, canary in sides:
-                tag = aliases.tag(route.recipe, alias)
+            sides: list[tuple[Side, str]] = [("primary", route.alias)]
+            sides += [(side, share.alias) for side in ("canary", "shadow") if (share := getattr(route, side))]
+            for side, alias in sides:
+                tag, slot = aliases.tag(route.recipe, alias), getattr(split, side)
                 if tag is not None and (slot is None or tag != slot.model.tag):
-                    await self._move(endpoint, route, split, alias, tag, canary=canary)
+                    await self._move(endpoint, route, split, (side, alias), tag)
 
-    async def _move(self, endpoint: str, route: Route, split: Split, alias: str, tag: str, *, canary: bool) -> None:
-        name = label(route.recipe, alias)
+    async def _move(self, endpoint: str, route: Route, split: Split, side: tuple[Side, str], tag: str) -> None:
+        name = label(route.recipe, side[1])
         try:
-            front = await asyncio.to_thread(self._open, endpoint, route, name, tag)
+            front = await asyncio.to_thread(self._open, endpoint, route, side, tag)
         except AliasError as exc:  # whatever the new version does wrong, the old one keeps serving
-            serving = (split.canary if canary else split.primary) or split.primary
-            logger.error("/%s: %s; %s keeps serving", endpoint, exc, serving.model.tag)
+            kept = getattr(split, side[0])
+            logger.error("/%s: %s; %s", endpoint, exc, f"{kept.model.tag} keeps serving" if kept else "not served")
             count_swap(endpoint, "refused")
             return
-        old = split.put(front, canary=canary)
+        old = split.put(front, side[0])
         count_swap(endpoint, "swapped")
-        released = f"{old.tag} released" if old is not None else f"now {split.percent:g} % of the requests"
+        if old is not None:
+            released = f"{old.tag} released"
+        else:
+            released = f"now {getattr(split, f'{side[0]}_percent'):g} % of the requests ({side[0]})"
         logger.info("/%s: %s → %s, %s; %s", endpoint, name, tag, SWAPPED, released)
 
-    def _open(self, endpoint: str, route: Route, name: str, tag: str) -> ImageClassifier | TextEmbedder:
+    def _open(self, endpoint: str, route: Route, side: tuple[Side, str], tag: str) -> ImageClassifier | TextEmbedder:
         """The new version's front, its files checked and its session warmed up (in a thread: it
-        takes seconds); `AliasError` naming the alias and the tag for any failure."""
+        takes seconds); `AliasError` naming the alias and the tag for any failure. A shadow runs in
+        the background: it must leave the cores to the answers."""
+        name = label(route.recipe, side[1])
         stored = stored_model(tag, alias=name)
         if stored.tag.name != route.recipe:
             raise refused(name, tag, f"/{endpoint} serves {route.recipe} models")
         try:
             served = serving_model(route, stored)
-            model = in_process_model(endpoint, stored, served, processes=front_workers(), light_warm_up=True)
+            shadow = side[0] == "shadow"
+            model = in_process_model(
+                endpoint, stored, served, processes=front_workers(), light_warm_up=True, background=shadow
+            )
             return FRONTS[endpoint].from_stored(stored, served, model)
         except Exception as exc:
             raise refused(name, tag, exc) from exc

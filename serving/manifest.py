@@ -22,19 +22,26 @@ DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "serving-manifest.js
 TAG_OVERRIDE_ENV = {"classify": "OPTISERVE_CLASSIFY_MODEL", "embed": "OPTISERVE_EMBED_MODEL"}
 
 
-class Canary(BaseModel):
-    """A share of an endpoint's requests served by another alias of its model, the same share of
-    request ids always (serving/lifecycle.py `Split`): a client's retry lands on the same side."""
+class Share(BaseModel):
+    """Another alias of the endpoint's model, for a share of its requests: a canary answers them,
+    a shadow runs them beside and is never returned (serving/lifecycle.py `Split`). The share is
+    drawn from the request id: the same ids always, so a client's retry lands on the same side."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     alias: str = Field(pattern=ALIAS_NAME)
-    percent: float = Field(gt=0, lt=100)
+    percent: float = Field(gt=0, le=100)
 
 
-def check_canary(alias: str, canary: Canary | None) -> None:
-    """A canary serves another alias than the route's own (recipes and routes both check)."""
-    if canary is not None and canary.alias == alias:
-        raise ValueError(f"canary.alias: {alias!r} is the route's own alias")
+def check_sides(alias: str, canary: Share | None, shadow: Share | None) -> None:
+    """A canary and a shadow serve other aliases than the route's own and each other's (recipes and
+    routes both check)."""
+    named = [("canary", canary), ("shadow", shadow)]
+    seen = {alias: "the route's own alias"}
+    for side, share in named:
+        if share is not None:
+            if share.alias in seen:
+                raise ValueError(f"{side}.alias: {share.alias!r} is {seen[share.alias]}")
+            seen[share.alias] = f"the {side}'s alias"
 
 
 class Route(BaseModel):
@@ -44,19 +51,16 @@ class Route(BaseModel):
     tag: str  # the pipeline's latest build, served until the alias is set
     recipe: str
     alias: str = Field(default=DEFAULT_ALIAS, pattern=ALIAS_NAME)  # `python -m pipeline promote` moves it
-    canary: Canary | None = None  # served beside the alias once its own alias is set
+    canary: Share | None = None  # answers its share of the requests once its alias is set
+    shadow: Share | None = None  # runs its share of the requests beside, never answering
     max_batch_size: int = Field(ge=2)  # rows per engine call; BentoML's batchable APIs need at least 2
     max_batch_tokens: int | None = Field(default=None, ge=1)  # text: padded tokens per engine call
     max_latency_ms: int = Field(ge=1)  # a request's deadline in the server: queue wait plus its batch
     max_items_per_request: int = Field(ge=1)
 
-    @property
-    def canary_percent(self) -> float:
-        return self.canary.percent if self.canary is not None else 0.0
-
     @model_validator(mode="after")
-    def _canary_is_another_alias(self) -> Route:
-        check_canary(self.alias, self.canary)
+    def _sides_are_other_aliases(self) -> Route:
+        check_sides(self.alias, self.canary, self.shadow)
         return self
 
 

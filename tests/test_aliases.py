@@ -1,5 +1,6 @@
-"""Aliases and their history in a real model store: promote, rollback, refusals, the command line,
-and the slot a hot swap moves (the service doing it end to end: tests/test_lifecycle.py)."""
+"""Aliases and their history in a real model store: promote, rollback, refusals, the command line;
+the slot a hot swap moves, the canary's split and the shadow (the service doing all of it end to
+end: tests/test_lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from serving.files import write_atomically
 from serving.lifecycle import AliasWatcher, Slot, Split
 from serving.manifest import Route, ServingManifest, load_manifest, write_manifest
 from serving.metrics import ModelMetrics
+from serving.shadow import MAX_IN_FLIGHT, compare_classes, compare_embeddings, shadowing
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "alias-test"
@@ -179,10 +181,10 @@ class Front:
     """What a slot holds in the service (an endpoint's front), here over a real batcher."""
 
     tag: str
-    batcher: Batcher
+    model: Batcher
 
     def close(self) -> None:
-        self.batcher.close()
+        self.model.close()
 
 
 def front(tag: str) -> Front:
@@ -199,15 +201,15 @@ def test_a_swap_lets_the_request_in_flight_finish_on_the_old_model_then_closes_i
 
     async def swap_during_a_request() -> tuple[str, np.ndarray, str]:
         async def request() -> tuple[str, np.ndarray]:
-            with slot.lease() as model, model.batcher.admit(1) as admission:
-                return model.tag, await model.batcher.run(np.ones((1, 1)), admission)
+            with slot.lease() as model, model.model.admit(1) as admission:
+                return model.tag, await model.model.run(np.ones((1, 1)), admission)
 
         in_flight = asyncio.ensure_future(request())
         await asyncio.sleep(0.01)
         old = slot.swap(front("new"))
-        assert not old.batcher._closed, "closed while a request still used it"
+        assert not old.model._closed, "closed while a request still used it"
         tag, result = await in_flight
-        assert old.batcher._closed
+        assert old.model._closed
         return tag, result, (await asyncio.ensure_future(request()))[0]
 
     tag, result, after = asyncio.run(swap_during_a_request())
@@ -217,18 +219,18 @@ def test_a_swap_lets_the_request_in_flight_finish_on_the_old_model_then_closes_i
 def test_a_swap_closes_an_idle_model_at_once() -> None:
     slot = Slot(front("old"))
     old = slot.swap(front("new"))
-    assert old.batcher._closed and slot.model.tag == "new"
+    assert old.model._closed and slot.model.tag == "new"
 
 
 def test_a_split_sends_its_share_of_request_ids_to_the_canary_and_an_id_always_to_the_same_side() -> None:
-    split = Split(Slot(front("primary")), percent=20.0)
+    split = Split(Slot(front("primary")), canary_percent=20.0)
     assert {split.slot(f"id-{i}").model.tag for i in range(100)} == {"primary"}, "no canary yet"
-    assert split.put(front("canary"), canary=True) is None
+    assert split.put(front("canary"), "canary") is None
 
     sides = [split.slot(f"id-{i}").model.tag for i in range(10_000)]
-    assert 19.0 <= 100 * sides.count("canary") / len(sides) <= 21.0
+    assert 18.5 <= 100 * sides.count("canary") / len(sides) <= 21.5  # 3 standard deviations
     assert all(split.slot(f"id-{i}").model.tag == sides[i] for i in range(100))
-    assert split.put(front("canary-2"), canary=True).tag == "canary"
+    assert split.put(front("canary-2"), "canary").tag == "canary"
     assert split.slot("id-0").model.tag == sides[0].replace("canary", "canary-2")
 
 
@@ -252,3 +254,32 @@ def test_the_watcher_refuses_a_version_of_another_model_and_keeps_serving(
     assert split.primary.model.tag == "text-embedder:built"
     assert REGISTRY.get_sample_value("optiserve_model_swaps_total", refusals) == before + 1
     assert f"alias text-embedder@stable → {versions[0]} refused: /embed serves text-embedder models" in caplog.text
+
+
+def test_shadow_comparisons_per_row() -> None:
+    primary = np.array([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]])
+    classes = compare_classes(primary, np.array([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]))
+    np.testing.assert_allclose(classes["top1_agreement"], [1.0, 0.0])
+    np.testing.assert_allclose(classes["score_difference"], [0.1, 0.5])
+    cosines = compare_embeddings(np.array([[1.0, 0.0], [0.0, 2.0]]), np.array([[3.0, 0.0], [1.0, 1.0]]))["cosine"]
+    np.testing.assert_allclose(cosines, [1.0, 2**-0.5])
+
+
+def test_a_busy_shadow_drops_what_it_cannot_take_counts_it_and_compares_the_rest() -> None:
+    split = Split(Slot(front("busy-primary")), shadow_percent=100.0)
+    assert shadowing(split, "embed", "busy-primary", "id") is None, "no shadow until its alias is set"
+    split.put(front("busy-shadow"), "shadow")
+    pair = {"endpoint": "embed", "primary": "busy-primary", "shadow": "busy-shadow"}
+
+    async def five_answers_at_once() -> None:
+        for index in range(5):
+            observe = shadowing(split, "embed", "busy-primary", f"id-{index}")
+            observe(np.ones((1, 2)), np.full((1, 2), 2.0), 0.01)  # returns at once, whatever the shadow does
+        assert len(split.shadow_runs) == MAX_IN_FLIGHT
+        await asyncio.gather(*split.shadow_runs)
+
+    asyncio.run(five_answers_at_once())
+    assert REGISTRY.get_sample_value("optiserve_shadow_total", {**pair, "outcome": "dropped"}) == 5 - MAX_IN_FLIGHT
+    assert REGISTRY.get_sample_value("optiserve_shadow_total", {**pair, "outcome": "compared"}) == MAX_IN_FLIGHT
+    cosine = {**pair, "measure": "cosine"}
+    assert REGISTRY.get_sample_value("optiserve_shadow_similarity_sum", cosine) == pytest.approx(MAX_IN_FLIGHT)

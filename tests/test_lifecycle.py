@@ -4,6 +4,7 @@ promote/rollback` move its alias, and while the alias names a model that must be
 from __future__ import annotations
 
 import asyncio
+import statistics
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sample_inputs import sample_photos
 from serving.aliases import Version, aliases_path, read_aliases
 from serving.files import write_atomically
-from serving.manifest import Canary, read_manifest, write_manifest
+from serving.manifest import Share, read_manifest, write_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +46,12 @@ class Lifecycle:
 @pytest.fixture(scope="module")
 def lifecycle(built_models, manifest_file: Path, tmp_path_factory) -> Iterator[Lifecycle]:
     """Both default models served from a copy of the suite's manifest, so the aliases beside it are
-    this module's own; /embed has a canary, idle until its alias is set."""
+    this module's own; /embed has a canary and a shadow, idle until their aliases are set."""
     folder = tmp_path_factory.mktemp("lifecycle")
     manifest = folder / "serving-manifest.json"
     routes = read_manifest(manifest_file)
-    canary = routes.embed.model_copy(update={"canary": Canary(alias="canary", percent=CANARY_PERCENT)})
-    write_manifest(routes.model_copy(update={"embed": canary}), manifest)
+    shares = {"canary": Share(alias="canary", percent=CANARY_PERCENT), "shadow": Share(alias="shadow", percent=100)}
+    write_manifest(routes.model_copy(update={"embed": routes.embed.model_copy(update=shares)}), manifest)
     built = built_models["text-embedder"].model
     rebuilt = str(new_version(built).tag)
     log = folder / "bentoml.log"
@@ -220,3 +221,36 @@ def test_a_canary_takes_its_share_of_request_ids_and_a_retry_stays_on_its_side(l
     assert set(tags) == {primary, lifecycle.rebuilt}
     assert abs(100 * tags.count(lifecycle.rebuilt) / len(tags) - CANARY_PERCENT) <= 5
     assert retried == {index: {tags[index]} for index in range(10)}
+
+
+def p50_ms(client: httpx.Client, requests: int) -> float:
+    """The median latency of `requests` /embed requests one after another (concurrency 1)."""
+    latencies = []
+    for _ in range(requests):
+        started = time.perf_counter()
+        assert client.post("/embed", json={"texts": ["a sentence, answered and shadowed"]}).status_code == 200
+        latencies.append(time.perf_counter() - started)
+    return 1000 * statistics.median(latencies)
+
+
+def test_a_shadow_runs_every_request_beside_without_slowing_the_answers_and_reports_agreement(lifecycle) -> None:
+    url = lifecycle.server.url
+    with lifecycle.server.client() as client:
+        p50_ms(client, 20)
+        alone = p50_ms(client, 200)
+        assert (
+            pipeline_command("promote", lifecycle.rebuilt, "--alias", "shadow", manifest=lifecycle.manifest).returncode
+            == 0
+        )
+        wait_logged(lifecycle.log, f"text-embedder@shadow → {lifecycle.rebuilt}, loaded and warmed up; now 100 %")
+        shadowed = p50_ms(client, 200)
+    assert shadowed <= 1.10 * alone, f"p50 {shadowed:.2f} ms with the shadow, {alone:.2f} ms without"
+
+    command = [sys.executable, "-m", "pipeline", "shadow-report", url]
+    report = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout
+    print(f"p50 at concurrency 1: {alone:.2f} ms alone, {shadowed:.2f} ms with a shadow at 100 %\n{report}")
+    pair = report.split(f"/embed: {lifecycle.rebuilt} shadowing {lifecycle.built}: ", 1)[1].split("\n/embed", 1)[0]
+    compared, dropped = (int(pair.split(f" {outcome}", 1)[0].rsplit(" ", 1)[-1]) for outcome in ("compared", "dropped"))
+    assert compared >= 20 and compared + dropped >= 100, report  # a busy shadow drops, counted; the canary's own pair
+    assert "cosine: 1.0000" in pair, report  # the same weights: the same vectors
+    assert "primary model call:" in pair and "shadow model call:" in pair
