@@ -9,7 +9,7 @@ SERVED_RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
 RECIPES ?= $(SERVED_RECIPES) $(filter-out $(SERVED_RECIPES),$(wildcard models/*.yaml))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk bench-monitoring fuzz soak
+.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk bench-monitoring bench-swap fuzz soak
 
 setup: $(VENV)/.installed
 
@@ -70,6 +70,10 @@ bench-bulk: setup
 # Throughput at the knee with monitoring on and off, alternated over three rounds (wrk).
 bench-monitoring: setup
 	$(PY) -m bench.monitoring $(BENCH_ARGS)
+
+# Hot swaps (promote, rollback, …) of the /embed model under load: failures and p99 during each swap vs steady.
+bench-swap: setup
+	$(PY) -m bench.swap $(BENCH_ARGS)
 
 # Every variant of each model's latest pipeline run against its FP32 export, at the batch the
 # optimization targets name (32; text rows of 128 tokens), timed interleaved.

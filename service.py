@@ -5,19 +5,24 @@ manifest that `make optimize` writes (see serving/manifest.py). Where the sessio
 `OPTISERVE_MODEL_PLACEMENT` (serving/settings.py): in the front worker, behind our batcher with
 admission control (default, serving/batching.py), or in one batched BentoML model service per task
 (serving/model_services.py); serving/model_calls.py `batched_model` gives the front its handle either way.
+Each route serves its alias once one is set (serving/aliases.py); in process, the service follows
+an alias change without a restart (serving/lifecycle.py).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import bentoml
 from starlette.responses import Response
 
 from serving import api
+from serving.aliases import aliases_path
 from serving.classify import ImageClassifier
 from serving.door import Door, Guard, RefusalPacer
 from serving.embed import TextEmbedder
-from serving.manifest import load_manifest
-from serving.model_calls import batched_model
+from serving.lifecycle import AliasWatcher, Split, open_front
+from serving.manifest import load_manifest, manifest_path
 from serving.model_services import model_service
 from serving.openapi import AmendedOpenAPI
 from serving.process import freeze_startup_heap
@@ -49,19 +54,34 @@ class Optiserve:
     image_model = bentoml.depends(ImageModel) if ImageModel is not None else None
     text_stored = bentoml.models.BentoModel(embed_route.tag) if embed_route is not None else None
     text_model = bentoml.depends(TextModel) if TextModel is not None else None
-    classifier: ImageClassifier | None = None  # set in __init__ where the manifest routes a model
-    embedder: TextEmbedder | None = None
+    classifier: Split[ImageClassifier] | None = None  # set in __init__ where the manifest routes a model
+    embedder: Split[TextEmbedder] | None = None
     refusal_pacer = refusal_pacer
 
     def __init__(self) -> None:
+        # A canary or a shadow joins once the alias watcher has loaded it, within seconds of the start.
         if classify_route is not None:
-            model = batched_model("classify", self.image_stored, classify_route, self.image_model)
-            self.classifier = ImageClassifier.from_stored(self.image_stored, classify_route, model)
+            front = open_front("classify", self.image_stored, classify_route, self.image_model)
+            self.classifier = Split.of(classify_route, front)
         if embed_route is not None:
-            model = batched_model("embed", self.text_stored, embed_route, self.text_model)
-            self.embedder = TextEmbedder.from_stored(self.text_stored, embed_route, model)
+            front = open_front("embed", self.text_stored, embed_route, self.text_model)
+            self.embedder = Split.of(embed_route, front)
+        self.watcher = AliasWatcher.watching(
+            aliases_path(manifest_path()),
+            {"classify": classify_route, "embed": embed_route},
+            {"classify": self.classifier, "embed": self.embedder},
+        )
         door_guards.update(api.door_guards(self))
         freeze_startup_heap()
+
+    @bentoml.on_startup
+    async def follow_aliases(self) -> None:
+        """Hot swap: poll the alias file on the serving loop while the service runs."""
+        self.following = asyncio.create_task(self.watcher.run(), name="alias-watcher")
+
+    @bentoml.on_shutdown
+    async def stop_following(self) -> None:
+        self.following.cancel()
 
     # The endpoints read their own bodies (serving/api.py): BentoML passes the declared fields unread.
 

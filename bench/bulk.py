@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +76,12 @@ async def interactive_beside_bulk(
 
 
 def summarize(run: dict, texts: int) -> dict[str, Any]:
-    from loadtest.stats import latency_ms
+    from bench.serving import phase_figures
 
     marks, recorder = run["marks"], run["outcomes"]
 
     def phase(start: str, end: str) -> dict[str, Any]:
-        outcomes = recorder.between(marks[start], marks[end])
-        latency = latency_ms([o.latency for o in outcomes if o.ok])
-        failed = sum(not o.ok for o in outcomes)
-        return {"requests": len(outcomes), "failed": failed, "latency_ms": asdict(latency) if latency else None}
+        return phase_figures(recorder, marks[start], marks[end])
 
     bulk_s = marks["bulk_done"] - marks["bulk_submitted"]
     phases = {
@@ -109,23 +105,11 @@ def summarize(run: dict, texts: int) -> dict[str, Any]:
 
 def print_summary(results: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    from bench.serving import number_text, verdict_text
+    from bench.serving import phase_table, verdict_text
 
-    table = Table(title=f"interactive /embed at concurrency {results['settings']['concurrency']} beside a bulk task")
-    for column in ("phase", "requests", "failed", "p50 ms", "p99 ms", "max ms"):
-        table.add_column(column, justify="right")
-    for name, phase in results["phases"].items():
-        latency = phase["latency_ms"] or {}
-        table.add_row(
-            name,
-            str(phase["requests"]),
-            str(phase["failed"]),
-            number_text(latency.get("p50"), ".2f"),
-            number_text(latency.get("p99"), ".2f"),
-            number_text(latency.get("max"), ".2f"),
-        )
+    title = f"interactive /embed at concurrency {results['settings']['concurrency']} beside a bulk task"
+    table = phase_table(title, results["phases"])
     console = Console(width=160)
     console.print(table)
     bulk = results["bulk"]
@@ -138,23 +122,21 @@ def print_summary(results: dict[str, Any]) -> None:
 
 def write_plot(run: dict, results: dict[str, Any], path: Path) -> None:
     """Each interactive request's latency against time, the bulk task's span shaded."""
-    from loadtest.report import pyplot, save_figure
+    from bench.serving import latency_timeline
+    from loadtest.report import save_figure
 
-    plt = pyplot()
-
-    marks, outcomes = run["marks"], run["outcomes"].outcomes
-    start = marks["start"]
-    figure, axes = plt.subplots(figsize=(8, 4))
-    axes.scatter([o.finished - start for o in outcomes], [1000 * o.latency for o in outcomes], s=2, alpha=0.4)
-    bulk_span = (marks["bulk_submitted"] - start, marks["bulk_done"] - start)
-    axes.axvspan(*bulk_span, color="orange", alpha=0.15, label="bulk task")
+    marks = run["marks"]
     reference = results["phases"]["unloaded_before"]["latency_ms"]["p99"]
-    axes.axhline(P99_WITHIN * reference, color="red", linestyle="--", label=f"{P99_WITHIN} × unloaded p99")
-    axes.set_yscale("log")
-    axes.set_xlabel("seconds")
-    axes.set_ylabel("interactive /embed latency (ms)")
-    axes.set_title(f"a bulk task of {results['bulk']['texts']} texts beside interactive traffic")
-    axes.legend()
+    figure = latency_timeline(
+        run,
+        [(marks["bulk_submitted"], marks["bulk_done"])],
+        "bulk task",
+        (P99_WITHIN * reference, f"{P99_WITHIN} × unloaded p99"),
+        (
+            "interactive /embed latency (ms)",
+            f"a bulk task of {results['bulk']['texts']} texts beside interactive traffic",
+        ),
+    )
     save_figure(figure, path)
 
 

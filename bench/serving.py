@@ -229,6 +229,7 @@ class ServedRun:
     manifest: Any  # serving.manifest.ServingManifest
     record: dict[str, Any]  # run_record, taken before the run: the machine's load at its start
     out: Path  # the run's JSON; its plot goes beside it
+    log: Path  # the server's
 
     def finish(self, results: dict[str, Any], plot: Callable[[Path], None]) -> None:
         write_record(results, self.out)
@@ -249,7 +250,7 @@ def served_run(args: argparse.Namespace, name: str) -> Iterator[ServedRun]:
     record = run_record(args, manifest_path)
     log = args.out / f"logs-{stamp}" / f"optiserve-{name}.log"
     with on_free_port(OPTISERVE, env=server_env(manifest_path), cwd=REPO, log=log) as server:
-        yield ServedRun(server.url, server.pid, manifest, record, args.out / f"{name}-{stamp}.json")
+        yield ServedRun(server.url, server.pid, manifest, record, args.out / f"{name}-{stamp}.json", log)
 
 
 def naive_pixel_payloads(files: dict[str, bytes], recipe_path: Path) -> list:
@@ -466,6 +467,61 @@ def verdict_text(verdict: dict[str, Any], leave_out: tuple[str, ...] = ()) -> st
         k: (round(v, 2) if isinstance(v, float) else v) for k, v in verdict.items() if k not in ("met", *leave_out)
     }
     return f"{shown} → {'[green]met[/green]' if verdict['met'] else '[red]missed[/red]'}"
+
+
+def phase_figures(recorder: Any, start: float, end: float) -> dict[str, Any]:
+    """Requests that finished in [start, end) of a `loadtest.stats.Recorder`: how many, the failed
+    by status, the latency of the others (the benches that run phases under one load share it)."""
+    from collections import Counter
+
+    from loadtest.stats import latency_ms
+
+    outcomes = recorder.between(start, end)
+    latency = latency_ms([o.latency for o in outcomes if o.ok])
+    errors = Counter(o.status for o in outcomes if not o.ok)
+    return {
+        "requests": len(outcomes),
+        "failed": errors.total(),
+        "errors": dict(errors),
+        "latency_ms": asdict(latency) if latency else None,
+    }
+
+
+def phase_table(title: str, phases: dict[str, dict], extra: dict[str, Callable[[dict], str]] | None = None) -> Any:
+    """A table of `phase_figures` phases; `extra` adds columns (header → a phase's cell)."""
+    from rich.table import Table
+
+    extra = extra or {}
+    table = Table(title=title)
+    for column in ("phase", "requests", "failed", "p50 ms", "p99 ms", "max ms", *extra):
+        table.add_column(column, justify="right")
+    for name, phase in phases.items():
+        latency = phase["latency_ms"] or {}
+        figures = (number_text(latency.get(key), ".2f") for key in ("p50", "p99", "max"))
+        table.add_row(name, str(phase["requests"]), str(phase["failed"]), *figures, *(c(phase) for c in extra.values()))
+    return table
+
+
+def latency_timeline(
+    run: dict, spans: list[tuple[float, float]], span_label: str, reference: tuple[float, str], text: tuple[str, str]
+) -> Any:
+    """Each request's latency (`run["outcomes"]`) against time from `run["marks"]["start"]`, the
+    `spans` shaded, a dashed line at `reference` (ms, label); `text` is (y label, title)."""
+    from loadtest.report import pyplot
+
+    plt = pyplot()
+    start, outcomes = run["marks"]["start"], run["outcomes"].outcomes
+    figure, axes = plt.subplots(figsize=(8, 4))
+    axes.scatter([o.finished - start for o in outcomes], [1000 * o.latency for o in outcomes], s=2, alpha=0.4)
+    for index, (begin, end) in enumerate(spans):
+        axes.axvspan(begin - start, end - start, color="orange", alpha=0.2, label=span_label if index == 0 else None)
+    axes.axhline(reference[0], color="red", linestyle="--", label=reference[1])
+    axes.set_yscale("log")
+    axes.set_xlabel("seconds")
+    axes.set_ylabel(text[0])
+    axes.set_title(text[1])
+    axes.legend()
+    return figure
 
 
 def number_text(value: float | None, spec: str = ".1f") -> str:

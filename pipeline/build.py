@@ -48,6 +48,9 @@ class BuildResult:
         return Route(
             tag=str(self.model.tag),
             recipe=loaded.recipe.name,
+            alias=serving.alias,
+            canary=serving.canary,
+            shadow=serving.shadow,
             max_batch_size=serving.max_batch_size or self.batching.max_batch_size,
             max_batch_tokens=serving.max_batch_tokens or self.batching.max_batch_tokens,
             max_latency_ms=serving.max_latency_ms or self.batching.max_latency_ms,

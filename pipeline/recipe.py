@@ -10,7 +10,9 @@ from typing import Annotated, ClassVar, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS
 from serving.artifacts import file_digest
+from serving.manifest import Share, check_sides
 from serving.model_spec import Task
 
 PACKAGE_PREFIX = "package:"
@@ -105,6 +107,18 @@ class Serving(Strict):
         default=None, ge=1, description="override; BentoML sheds requests it cannot serve within this"
     )
     max_items_per_request: int = Field(default=64, ge=1)
+    alias: str = Field(
+        default=DEFAULT_ALIAS,
+        pattern=ALIAS_NAME,
+        description="the alias the endpoint serves once it is set (`python -m pipeline promote`)",
+    )
+    canary: Share | None = Field(default=None, description="another alias answering a share of the requests")
+    shadow: Share | None = Field(default=None, description="another alias running a share of the requests beside")
+
+    @model_validator(mode="after")
+    def _sides_are_other_aliases(self) -> Serving:
+        check_sides(self.alias, self.canary, self.shadow)
+        return self
 
 
 VariantName = Literal[

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Protocol, TypeVar
@@ -42,18 +43,22 @@ from serving.errors import (
     UnsupportedMediaType,
 )
 from serving.images import DEFAULT_MAX_BYTES
+from serving.lifecycle import Model, Split
 from serving.metrics import count_error
 from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
 from serving.settings import body_timeout_s
+from serving.shadow import shadowing
 
 logger = logging.getLogger(__name__)
 
 
 class Front(Protocol):
-    """What the front BentoML service instance offers the endpoints."""
+    """What the front BentoML service instance offers the endpoints: each endpoint's traffic split
+    between its alias and a canary's, each model in a slot, so that a request keeps the model it
+    started with through a hot swap (serving/lifecycle.py)."""
 
-    classifier: ImageClassifier | None
-    embedder: TextEmbedder | None
+    classifier: Split[ImageClassifier] | None
+    embedder: Split[TextEmbedder] | None
     refusal_pacer: RefusalPacer | None  # shared with serving/door.py
 
 
@@ -63,10 +68,15 @@ MAX_BULK_BODY_BYTES = 64 * 1024 * 1024
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
+REQUEST_ID_HEADER = "X-Request-ID"  # picks the canary and shadow shares: a retry lands where its first try did
+MODEL_TAG_HEADER = "X-Model-Tag"  # the stored model that produced the answer, as its body's `model`
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
 INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
 
-Answer = TypeVar("Answer", bound=BaseModel)
+# The tag of the model a request leased (`leased`), for an error answered after the lease ended.
+LEASED_TAG: ContextVar[str | None] = ContextVar("leased_tag", default=None)
+
+Answer = TypeVar("Answer", bound=BaseModel)  # each names its `model`
 
 
 @dataclass(frozen=True)
@@ -79,10 +89,11 @@ class ErrorAnswer:
 async def answer(
     ctx: bentoml.Context, endpoint: Callable[[Front, Request], Awaitable[Answer]], front: Front
 ) -> Answer | Response:
-    """`endpoint`'s answer to the request BentoML is serving, or its error as our JSON body and
-    status. BentoML sets an API's status and headers from its context: an error's go there."""
+    """`endpoint`'s answer to the request BentoML is serving, with the model's tag in a header, or
+    its error as our JSON body and status. BentoML sets an API's status and headers from its
+    context: both go there."""
     try:
-        return await endpoint(front, UNREAD_REQUEST.get())
+        result = await endpoint(front, UNREAD_REQUEST.get())
     except Refused as exc:
         if front.refusal_pacer is not None:
             await front.refusal_pacer.pace()
@@ -90,6 +101,9 @@ async def answer(
     except Exception as exc:
         error = error_answer(exc)
         record_error(front, endpoint.__name__, exc, error)
+    else:
+        ctx.response.headers[MODEL_TAG_HEADER] = result.model
+        return result
     ctx.response.status_code = error.status
     ctx.response.headers.update(error.headers)
     return JSONResponse(error.body, status_code=error.status)
@@ -123,10 +137,10 @@ def error_class(exc: Exception, status: int) -> str:
 def record_error(front: Front, api: str, exc: Exception, error: ErrorAnswer) -> None:
     """Counts an error answer of the API named `api` against its model (serving/metrics.py)."""
     endpoint = "embed" if api.startswith("embed") else "classify"
-    model = front.embedder if endpoint == "embed" else front.classifier
+    split = front.embedder if endpoint == "embed" else front.classifier
     count_error(
         endpoint=endpoint,
-        model=model.tag if model is not None else "none",
+        model=LEASED_TAG.get() or (split.primary.model.tag if split is not None else "none"),
         api=api,
         error_class=error_class(exc, error.status),
         status=error.status,
@@ -252,28 +266,35 @@ def resolve_top_k(request: Request, form: dict[str, str]) -> int:
 
 
 def door_guards(front: Front) -> dict[str, Guard]:
-    """What serving/door.py asks before a model endpoint's request goes further: its model's
-    queue, looked up at each request (a swapped model is asked, not the one of start-up)."""
+    """What serving/door.py asks before a model endpoint's request goes further: the queue of the
+    model the request would lease now (its side of the split; without an id, the alias's own)."""
 
-    def images(timeout_ms: float | None) -> Refused | None:
-        return front.classifier.model.refusal_at_door(timeout_ms) if front.classifier is not None else None
+    def guard(split: Split[ImageClassifier] | Split[TextEmbedder] | None) -> Guard:
+        def refusal(timeout_ms: float | None, request_id: str | None) -> Refused | None:
+            if split is None:
+                return None
+            slot = split.slot(request_id) if request_id else split.primary
+            return slot.model.model.refusal_at_door(timeout_ms)
 
-    def texts(timeout_ms: float | None) -> Refused | None:
-        return front.embedder.model.refusal_at_door(timeout_ms) if front.embedder is not None else None
+        return refusal
 
+    images, texts = guard(front.classifier), guard(front.embedder)
     return {"/classify": images, "/classify_batch": images, "/embed": texts}
 
 
-def classifier(front: Front) -> ImageClassifier:
-    if front.classifier is None:
-        raise ModelUnavailable("no image-classification model is configured in this deployment")
-    return front.classifier
+def request_id(request: Request) -> str | None:
+    return request.headers.get(REQUEST_ID_HEADER)
 
 
-def embedder(front: Front) -> TextEmbedder:
-    if front.embedder is None:
-        raise ModelUnavailable("no text-embedding model is configured in this deployment")
-    return front.embedder
+@contextmanager
+def leased(split: Split[Model] | None, task: str, request: Request) -> Iterator[Model]:
+    """The model serving this request (its side of the split) for its whole life, or 503 where
+    the deployment configures none."""
+    if split is None:
+        raise ModelUnavailable(f"no {task} model is configured in this deployment")
+    with split.slot(request_id(request)).lease() as model:
+        LEASED_TAG.set(model.tag)  # the request's own context: what its error is counted against
+        yield model
 
 
 async def read_images(request: Request, field: str, *, max_files: int, hint: str = "") -> tuple[list[ImageUpload], int]:
@@ -283,19 +304,25 @@ async def read_images(request: Request, field: str, *, max_files: int, hint: str
 
 
 async def classify(front: Front, request: Request) -> ClassifyResponse:
-    images = classifier(front)
-    with images.admit(1, timeout_ms=client_deadline_ms(request)) as admission:  # before the upload is read
+    with (
+        leased(front.classifier, "image-classification", request) as images,
+        images.admit(1, timeout_ms=client_deadline_ms(request)) as admission,  # before the upload is read
+    ):
         uploads, top_k = await read_images(request, "image", max_files=1, hint=": send several to /classify_batch")
-        (predictions,) = await images.classify(uploads, top_k, admission)
+        (predictions,) = await images.classify(
+            uploads, top_k, admission, shadowing(front.classifier, "classify", images.tag, request_id(request))
+        )
     return ClassifyResponse(model=images.tag, predictions=predictions)
 
 
 async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse:
-    images = classifier(front)
-    deadline_ms = client_deadline_ms(request)
-    uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
-    with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
-        results = await images.classify(uploads, top_k, admission)
+    with leased(front.classifier, "image-classification", request) as images:
+        deadline_ms = client_deadline_ms(request)
+        uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
+        with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
+            results = await images.classify(
+                uploads, top_k, admission, shadowing(front.classifier, "classify", images.tag, request_id(request))
+            )
     return ClassifyBatchResponse(model=images.tag, results=results)
 
 
@@ -307,17 +334,18 @@ async def embed_request(request: Request, limit: int) -> EmbedRequest:
 
 
 async def embed(front: Front, request: Request) -> EmbedResponse:
-    texts = embedder(front)
-    deadline_ms = client_deadline_ms(request)
-    body = await embed_request(request, MAX_EMBED_BODY_BYTES)
-    vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms)
+    with leased(front.embedder, "text-embedding", request) as texts:
+        deadline_ms = client_deadline_ms(request)
+        body = await embed_request(request, MAX_EMBED_BODY_BYTES)
+        observe = shadowing(front.embedder, "embed", texts.tag, request_id(request))
+        vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms, observe=observe)
     return embed_response(texts, body, vectors, tokens)
 
 
 async def embed_bulk(front: Front, request: Request) -> EmbedResponse:
-    texts = embedder(front)
-    body = await embed_request(request, MAX_BULK_BODY_BYTES)
-    vectors, tokens = await texts.embed_bulk(body.texts, truncate=body.truncate)
+    with leased(front.embedder, "text-embedding", request) as texts:
+        body = await embed_request(request, MAX_BULK_BODY_BYTES)
+        vectors, tokens = await texts.embed_bulk(body.texts, truncate=body.truncate)
     return embed_response(texts, body, vectors, tokens)
 
 

@@ -137,6 +137,7 @@ class Batcher(Generic[Rows]):
         self._work = threading.Condition(self._queue.lock)
         self._speed = _Speed(cost_per_row=None if tokens else 1.0)
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     # --- the loop's side ---------------------------------------------------------------------
 
@@ -279,8 +280,17 @@ class Batcher(Generic[Rows]):
         within_tokens = not self._tokens or limit is None or padded_tokens_bound(rows, longest, tokens) <= limit
         return rows <= self.limits.max_batch_size and within_tokens
 
+    def close(self) -> None:
+        """Let the engine thread end once it has run what it holds. Called when no request uses the
+        batcher any more (a hot swap, serving/lifecycle.py): nothing new arrives, so this never waits."""
+        with self._work:
+            self._closed = True
+            self._work.notify()
+
     def _start(self) -> asyncio.AbstractEventLoop:
         """The engine thread starts with the first request, on the loop that serves requests."""
+        if self._closed:
+            raise RuntimeError(f"the {self._metrics.endpoint} batcher is closed")
         loop = asyncio.get_running_loop()
         if self._thread is None:
             name = f"engine-{self._metrics.endpoint}"
@@ -305,6 +315,8 @@ class Batcher(Generic[Rows]):
         while True:
             with self._work:
                 while not self._queue.pending and not self._queue.bulk:
+                    if self._closed:
+                        return
                     self._work.wait()
                 now = time.monotonic()
                 if not self._queue.pending and rest and now - self._queue.last_interactive < INTERACTIVE_QUIET_SECONDS:

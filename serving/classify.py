@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from serving.batching import Admission
 from serving.errors import InputTooLarge, InvalidInput
 from serving.images import check_content_type, decode_image, resize_center_crop
 from serving.manifest import Route
-from serving.model_calls import BatchedModel
+from serving.model_calls import BatchedModel, Observer
 from serving.model_runtime import read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
 from serving.monitoring import ModelMonitor
@@ -76,6 +77,10 @@ class ImageClassifier:
             monitor=ModelMonitor.of_stored("classify", stored, class_names),
         )
 
+    def close(self) -> None:
+        """Release the model once no request uses it any more (a hot swap: serving/lifecycle.py)."""
+        self.model.close()
+
     def admit(self, images: int, *, timeout_ms: float | None = None) -> AbstractContextManager[Admission]:
         """A place in the model's queue for `images` images, or a refusal (serving/batching.py):
         taken before anything costly, the body's upload for one image, its decoding for several."""
@@ -85,14 +90,18 @@ class ImageClassifier:
             raise InputTooLarge(f"{images} images in one request; the limit is {self.max_items_per_request}")
         return self.model.admit(images, timeout_ms=timeout_ms)
 
-    async def classify(self, uploads: list[ImageUpload], top_k: int, admission: Admission) -> list[list[Prediction]]:
+    async def classify(
+        self, uploads: list[ImageUpload], top_k: int, admission: Admission, observe: Observer | None = None
+    ) -> list[list[Prediction]]:
         if top_k < 1:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
         prepared = await asyncio.gather(
             *(anyio.to_thread.run_sync(prepare_sized_image, upload, self.spec) for upload in uploads)
         )
-        pixels = np.stack([image for image, _ in prepared])
+        pixels, started = np.stack([image for image, _ in prepared]), time.perf_counter()
         probabilities = await self.model.run(pixels, admission)
+        if observe is not None:
+            observe(pixels, probabilities, time.perf_counter() - started)
         if self.monitor is not None:
             self.monitor.observe_classifications([size for _, size in prepared], pixels, probabilities)
         return [top_k_predictions(row, self.class_names, top_k) for row in probabilities]

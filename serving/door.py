@@ -41,9 +41,11 @@ MAX_DEADLINE_MS = 600_000
 # A refusal is never held longer than this: past it, a backlog of refusals is answered as it comes.
 MAX_HOLD_S = 5.0
 
+REQUEST_ID_KEY = b"x-request-id"
+
 # The refusal a model endpoint's queue gives now (None: let the request in), for the client's
-# deadline in milliseconds if it sent one.
-Guard = Callable[[float | None], Refused | None]
+# deadline in milliseconds and the request's id (its side of a canary split), if it sent them.
+Guard = Callable[[float | None, str | None], Refused | None]
 
 
 class RefusalPacer:
@@ -91,7 +93,7 @@ class Door:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         guard = self.guards.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        refusal = guard(client_deadline(scope)) if guard is not None else None
+        refusal = guard(*deadline_and_id(scope)) if guard is not None else None
         if refusal is None:
             await self.app(scope, receive, send)
             return
@@ -100,13 +102,19 @@ class Door:
         await refuse(send, refusal)
 
 
-def client_deadline(scope: Scope) -> float | None:
-    """The client's deadline, or None, also when malformed: the handler answers that with 422."""
-    value = next((v.decode("latin-1") for k, v in scope["headers"] if k == DEADLINE_HEADER_KEY), None)
+def deadline_and_id(scope: Scope) -> tuple[float | None, str | None]:
+    """The client's deadline (None also when malformed: the handler answers that with 422) and
+    the request's id, from the request's headers."""
+    deadline = request_id = None
+    for key, value in scope["headers"]:
+        if key == DEADLINE_HEADER_KEY:
+            deadline = value.decode("latin-1")
+        elif key == REQUEST_ID_KEY:
+            request_id = value.decode("latin-1")
     try:
-        return parse_deadline_ms(value)
+        return parse_deadline_ms(deadline), request_id
     except InvalidInput:
-        return None
+        return None, request_id
 
 
 def parse_deadline_ms(value: str | None) -> float | None:

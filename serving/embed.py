@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import bentoml
 import numpy as np
 
 from serving.manifest import Route
-from serving.model_calls import BatchedModel
+from serving.model_calls import BatchedModel, Observer
 from serving.model_runtime import read_spec
 from serving.model_spec import TOKENIZER_FILE
 from serving.monitoring import ModelMonitor
@@ -57,8 +58,12 @@ class TextEmbedder:
             monitor=ModelMonitor.of_stored("embed", stored),
         )
 
+    def close(self) -> None:
+        """Release the model once no request uses it any more (a hot swap: serving/lifecycle.py)."""
+        self.model.close()
+
     async def embed(
-        self, texts: list[str], *, truncate: bool, timeout_ms: float | None = None
+        self, texts: list[str], *, truncate: bool, timeout_ms: float | None = None, observe: Observer | None = None
     ) -> tuple[np.ndarray, int]:
         """Embeddings in request order and the number of tokens processed; admitted (or refused)
         before tokenizing."""
@@ -68,7 +73,10 @@ class TextEmbedder:
                 ids = self.tokenizer.encode(texts, truncate=truncate)
             else:
                 ids = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(texts, truncate=truncate))
+            started = time.perf_counter()
             embeddings = await self.model.run(ids, admission)
+        if observe is not None:
+            observe(ids, embeddings, time.perf_counter() - started)
         if self.monitor is not None:
             self.monitor.observe_embeddings(ids, embeddings)
         return embeddings, sum(len(row) for row in ids)

@@ -1,32 +1,67 @@
 """Which stored model serves which endpoint, with its batching settings.
 
 The pipeline writes the manifest; the service reads it at import time because BentoML takes
-the model reference and the batching settings in its decorators.
+the model reference and the batching settings in its decorators. A route names an alias
+(serving/aliases.py): once the alias is set, its tag is served instead of the route's own, the
+pipeline's latest build, and the service follows the alias while it runs (serving/lifecycle.py).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS, Aliases, aliases_path, read_aliases
+from serving.files import write_atomically
 
 MANIFEST_ENV = "OPTISERVE_MANIFEST"
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "serving-manifest.json"
 TAG_OVERRIDE_ENV = {"classify": "OPTISERVE_CLASSIFY_MODEL", "embed": "OPTISERVE_EMBED_MODEL"}
 
 
+class Share(BaseModel):
+    """Another alias of the endpoint's model, for a share of its requests: a canary answers them,
+    a shadow runs them beside and is never returned (serving/lifecycle.py `Split`). The share is
+    drawn from the request id: the same ids always, so a client's retry lands on the same side."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    alias: str = Field(pattern=ALIAS_NAME)
+    percent: float = Field(gt=0, le=100)
+
+
+def check_sides(alias: str, canary: Share | None, shadow: Share | None) -> None:
+    """A canary and a shadow serve other aliases than the route's own and each other's (recipes and
+    routes both check)."""
+    named = [("canary", canary), ("shadow", shadow)]
+    seen = {alias: "the route's own alias"}
+    for side, share in named:
+        if share is not None:
+            if share.alias in seen:
+                raise ValueError(f"{side}.alias: {share.alias!r} is {seen[share.alias]}")
+            seen[share.alias] = f"the {side}'s alias"
+
+
 class Route(BaseModel):
     """One endpoint's model and the batching its profile chose (serving/batching.py)."""
 
     model_config = ConfigDict(extra="forbid")
-    tag: str
+    tag: str  # the pipeline's latest build, served until the alias is set
     recipe: str
+    alias: str = Field(default=DEFAULT_ALIAS, pattern=ALIAS_NAME)  # `python -m pipeline promote` moves it
+    canary: Share | None = None  # answers its share of the requests once its alias is set
+    shadow: Share | None = None  # runs its share of the requests beside, never answering
     max_batch_size: int = Field(ge=2)  # rows per engine call; BentoML's batchable APIs need at least 2
     max_batch_tokens: int | None = Field(default=None, ge=1)  # text: padded tokens per engine call
     max_latency_ms: int = Field(ge=1)  # a request's deadline in the server: queue wait plus its batch
     max_items_per_request: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _sides_are_other_aliases(self) -> Route:
+        check_sides(self.alias, self.canary, self.shadow)
+        return self
 
 
 class ServingManifest(BaseModel):
@@ -53,27 +88,50 @@ def read_manifest(path: Path) -> ServingManifest:
 
 
 def load_manifest(path: Path | None = None) -> ServingManifest:
-    """Read the manifest and apply per-endpoint tag overrides from the environment."""
-    manifest = read_manifest(path or manifest_path())
+    """Read the manifest, serve each route's alias where it is set, and apply per-endpoint tag
+    overrides from the environment (which pin the endpoint: see `pinned`)."""
+    path = path or manifest_path()
+    manifest = read_manifest(path)
+    aliases = read_aliases(aliases_path(path))
+    for endpoint, route in manifest:
+        if route is not None:
+            setattr(manifest, endpoint, aliased(route, aliases))
     for endpoint, env in TAG_OVERRIDE_ENV.items():
         route = getattr(manifest, endpoint)
-        if os.environ.get(env) and route is not None:
-            setattr(manifest, endpoint, override_tag(route, os.environ[env]))
+        if pinned(endpoint) and route is not None:
+            setattr(manifest, endpoint, override_tag(route, os.environ[env], named_by="the environment"))
     return manifest
 
 
-def override_tag(route: Route, tag: str) -> Route:
+def pinned(endpoint: str) -> bool:
+    """Whether the environment names this endpoint's model: aliases do not move it then."""
+    return bool(os.environ.get(TAG_OVERRIDE_ENV[endpoint]))
+
+
+def aliased(route: Route, aliases: Aliases) -> Route:
+    """The route serving its alias's tag, with that model's batching; unchanged while the alias is unset."""
+    tag = aliases.tag(route.recipe, route.alias)
+    return route if tag is None or tag == route.tag else override_tag(route, tag, named_by=f"alias {route.alias!r}")
+
+
+def override_tag(route: Route, tag: str, *, named_by: str) -> Route:
     """Serve another stored model; its own profiled batching comes with it when it has one."""
     import bentoml
 
     try:
-        metadata = bentoml.models.get(tag).info.metadata
+        stored = bentoml.models.get(tag)
     except bentoml.exceptions.NotFound as exc:
-        raise ManifestError(f"model {tag!r} named by the environment is not in the model store") from exc
-    batching = metadata.get("batching") or {}
+        raise ManifestError(f"model {tag!r} named by {named_by} is not in the model store") from exc
+    return serving_model(route, stored)
+
+
+def serving_model(route: Route, stored: Any) -> Route:
+    """The route serving a stored model (`bentoml.Model`, its metadata read already: a hot swap
+    reads it once), with that model's profiled batching where it has one."""
+    batching = stored.info.metadata.get("batching") or {}
     return route.model_copy(
         update={
-            "tag": tag,
+            "tag": str(stored.tag),
             "max_batch_size": batching.get("max_batch_size", route.max_batch_size),
             "max_batch_tokens": batching.get("max_batch_tokens", route.max_batch_tokens),
             "max_latency_ms": batching.get("max_latency_ms", route.max_latency_ms),
@@ -83,9 +141,7 @@ def override_tag(route: Route, tag: str) -> Route:
 
 def write_manifest(manifest: ServingManifest, path: Path) -> None:
     """Replace the file in one step: a service starting meanwhile reads the old one or the new."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as temporary:
-        temporary.write(manifest.model_dump_json(indent=2) + "\n")
-    os.replace(temporary.name, path)
+    write_atomically(path, manifest.model_dump_json(indent=2) + "\n")
 
 
 def update_manifest(routes: dict[str, Route], path: Path) -> ServingManifest:

@@ -24,6 +24,14 @@ latency:
   `overload` (503: a model service's batcher shed the request, `service` placement only).
   Refusals of our batcher are not errors here: `optiserve_refused_total` counts them, at the door
   or in the handler.
+- `optiserve_model_swaps_total{endpoint, outcome}`: alias changes the service followed
+  (`swapped`) or refused (`refused`: the version is missing, tampered or failed to load), so a
+  deployment tool can wait for a promote to take effect (serving/lifecycle.py).
+- per pair of models (`endpoint`, `primary`, `shadow`), shadow traffic (serving/shadow.py):
+  `optiserve_shadow_total{outcome}` (requests `compared`, `dropped` while the shadow was busy,
+  `failed`), `optiserve_shadow_similarity{measure}` per row (`top1_agreement` 1 or 0 and
+  `score_difference` for classifiers, `cosine` for embeddings: its mean is sum / count) and
+  `optiserve_shadow_model_seconds{side}` (each model's call, `primary` and `shadow`).
 
 With the models in BentoML model services (`OPTISERVE_MODEL_PLACEMENT=service`) BentoML's own
 batcher queues the requests and exposes no queue time through its public API, so the queue
@@ -50,6 +58,13 @@ ROWS_METRIC = "optiserve_batch_rows"
 REFUSED_METRIC = "optiserve_refused"  # prometheus_client appends _total
 HELD_METRIC = "optiserve_refusals_held"
 ERRORS_METRIC = "optiserve_errors"
+SWAPS_METRIC = "optiserve_model_swaps"
+SHADOW_METRIC = "optiserve_shadow"
+SIMILARITY_METRIC = "optiserve_shadow_similarity"
+SHADOW_SECONDS_METRIC = "optiserve_shadow_model_seconds"
+PAIR = ("endpoint", "primary", "shadow")
+# Agreement is 0 or 1, score differences near 0, cosines near 1: both ends resolved.
+SIMILARITY_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.5, 0.9, 0.95, 0.99, 0.999, 0.9999, 1.0)
 LABELS = ("endpoint", "model")
 # Sub-millisecond to tens of seconds: queue waits on a busy CPU span that whole range.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -64,6 +79,10 @@ class Instruments:
     refused: Any
     held: Any
     errors: Any
+    swaps: Any
+    shadow: Any
+    similarity: Any
+    shadow_seconds: Any
 
 
 @cache
@@ -83,6 +102,17 @@ def instruments() -> Instruments:
         held=Counter(HELD_METRIC, "Refusals held back by pacing before they were answered"),
         errors=Counter(
             ERRORS_METRIC, "Error answers of model endpoints by class", (*LABELS, "api", "class", "status", "type")
+        ),
+        swaps=Counter(SWAPS_METRIC, "Alias changes followed or refused", ("endpoint", "outcome")),
+        shadow=Counter(SHADOW_METRIC, "Requests offered to a shadow model, by outcome", (*PAIR, "outcome")),
+        similarity=Histogram(
+            SIMILARITY_METRIC, "Shadow against primary, per row", (*PAIR, "measure"), buckets=SIMILARITY_BUCKETS
+        ),
+        shadow_seconds=Histogram(
+            SHADOW_SECONDS_METRIC,
+            "Model call of each side of a shadowed request",
+            (*PAIR, "side"),
+            buckets=SECONDS_BUCKETS,
         ),
     )
 
@@ -126,3 +156,29 @@ class ModelMetrics:
 
     def refused(self, reason: str) -> None:
         self._refused.labels(**self._labels, reason=reason).inc()
+
+
+def count_swap(endpoint: str, outcome: str) -> None:
+    """One alias change of `endpoint`'s route: `swapped` or `refused`."""
+    instruments().swaps.labels(endpoint=endpoint, outcome=outcome).inc()
+
+
+class ShadowMetrics:
+    """The series of one pair of models: an endpoint's primary and its shadow."""
+
+    def __init__(self, *, endpoint: str, primary: str, shadow: str) -> None:
+        self._found = instruments()
+        self._pair = {"endpoint": endpoint, "primary": primary, "shadow": shadow}
+
+    def count(self, outcome: str) -> None:
+        self._found.shadow.labels(**self._pair, outcome=outcome).inc()
+
+    def compared(self, measures: dict[str, Any], seconds: dict[str, float]) -> None:
+        """One compared request: each measure's value per row, each side's model time."""
+        self.count("compared")
+        for measure, values in measures.items():
+            series = self._found.similarity.labels(**self._pair, measure=measure)
+            for value in values:
+                series.observe(float(value))
+        for side, value in seconds.items():
+            self._found.shadow_seconds.labels(**self._pair, side=side).observe(value)

@@ -3,8 +3,8 @@
 BentoML generates the document from the input and output specs, with one error list for every
 API (its own 400, 404 and 500 bodies). Our endpoints answer other statuses, in our own error
 schema; /classify also takes a raw image body; and BentoML's task routes answer task states
-(`completed`, `failed`) its own schema does not list; and BentoML keeps only the first member
-of a union. A client generator or a fuzzer that
+(`completed`, `failed`) its own schema does not list; BentoML keeps only the first member
+of a union; and every answer names its model in a header. A client generator or a fuzzer that
 trusts the document should find it right, so the service serves it amended (`amend`).
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from serving.api import MODEL_TAG_HEADER
 from serving.schemas import EmbedResponse, ErrorBody
 
 DOCUMENT_PATH = "/docs.json"
@@ -33,6 +34,10 @@ ERROR_STATUSES = {
 ENDPOINTS = ("/classify", "/classify_batch", "/embed", "/embed_bulk")
 RAW_IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "application/octet-stream")
 TASK_STATES = ["in_progress", "completed", "failed", "canceled"]
+MODEL_TAG = {
+    "description": "the stored model that produced the answer (serving/lifecycle.py)",
+    "schema": {"type": "string"},
+}
 
 
 def error_responses() -> dict[str, Any]:
@@ -54,6 +59,7 @@ def amend(document: dict[str, Any]) -> dict[str, Any]:
     for path in ENDPOINTS:
         operation = paths[path]["post"]
         operation["responses"] = {"200": operation["responses"]["200"], **error_responses()}
+        operation["responses"]["200"]["headers"] = {MODEL_TAG_HEADER: MODEL_TAG}
     # BentoML keeps only the first member of a union: embeddings are float lists or base64 strings.
     embeddings = EmbedResponse.model_json_schema()["properties"]["embeddings"]
     for path, method in (("/embed", "post"), ("/embed_bulk", "post"), ("/embed_bulk/get", "get")):

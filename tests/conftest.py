@@ -23,6 +23,8 @@ from tiny_http import TinyServer  # noqa: E402
 from bench.processes import OPTISERVE, on_free_port  # noqa: E402
 from pipeline.build import BuildResult, build  # noqa: E402
 from pipeline.recipe import LoadedRecipe, Profiling, load_recipe  # noqa: E402
+from pipeline.registry import RECIPE_HASH, register  # noqa: E402
+from serving.artifacts import SHA256_KEY  # noqa: E402
 from serving.manifest import ServingManifest, write_manifest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,6 +65,14 @@ def default_recipes() -> dict[str, LoadedRecipe]:
 def built_models(default_recipes: dict[str, LoadedRecipe]) -> dict[str, BuildResult]:
     """Both default models exported, checked and registered once per test session."""
     return {name: build(loaded) for name, loaded in default_recipes.items()}
+
+
+def new_version(stored):
+    """Another version of a stored model (`bentoml.Model`), its files copied, in a second instead of
+    a rebuild's minutes; without the recipe hash, so no build ever reuses it."""
+    metadata = {k: v for k, v in stored.info.metadata.items() if k not in (RECIPE_HASH, SHA256_KEY)}
+    files = {name: Path(stored.path) / name for name in stored.info.metadata[SHA256_KEY]}
+    return register(stored.tag.name, files, labels=dict(stored.info.labels), metadata=metadata)
 
 
 @pytest.fixture(scope="session")

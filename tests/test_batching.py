@@ -272,3 +272,21 @@ def test_a_request_too_big_for_the_servers_deadline_still_runs_on_an_idle_engine
 
     np.testing.assert_array_equal(big, np.ones((16, 1)) * 2)
     assert isinstance(hurried, DeadlineUnmet)
+
+
+def test_a_closed_batcher_runs_what_it_holds_then_its_engine_thread_ends() -> None:
+    batcher = make_batcher(RecordingModel(seconds_per_batch=0.05), endpoint="closing")
+
+    async def close_while_running() -> np.ndarray:
+        running = asyncio.ensure_future(submit(batcher, np.ones((2, 1))))
+        await asyncio.sleep(0.01)  # the engine has the batch
+        batcher.close()
+        return await running
+
+    np.testing.assert_array_equal(asyncio.run(close_while_running()), np.full((2, 1), 2.0))
+    deadline = time.monotonic() + 5
+    while any(t.name == "engine-closing" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name == "engine-closing" for t in threading.enumerate()), "the engine thread is still there"
+    with pytest.raises(RuntimeError, match="closing batcher is closed"):
+        asyncio.run(submit(batcher, np.ones((1, 1))))

@@ -11,10 +11,13 @@ from tiny_http import directives
 
 from bench.limit import BATCH_SIZES, text_limit
 from bench.serving import wrk_check
+from bench.swap import DRAIN_S, SwapLines, summarize
 from bench.variants import main
 from bench.wrk import run_wrk, wrk_installed
+from loadtest.stats import Outcome, Recorder
 from loadtest.sweep import SweepSettings, run_sweep
 from sample_inputs import sample_texts
+from serving.lifecycle import SWAPPED
 
 needs_wrk = pytest.mark.skipif(not wrk_installed(), reason="wrk is not installed (apt-get install wrk)")
 
@@ -69,3 +72,26 @@ def test_loadtest_reads_a_latency_bound_server_like_wrk(tiny_server) -> None:
     assert check["met"], check
     assert check["concurrency"] == 2 and all(run["connections"] == 2 for run in check["wrk_runs"])
     assert len(check["loadtest_runs"]) == len(check["wrk_runs"]) == 3  # alternated, three rounds each
+
+
+def test_the_swap_bench_counts_logged_swaps_and_holds_each_swap_to_the_phase_before_it(tmp_path) -> None:
+    log = tmp_path / "bentoml.log"
+    log.write_text(f"started\n/embed: a → b, {SWAPPED}; a released\n/embed: b → a, loaded and warm")
+    swaps = SwapLines(log, SWAPPED)
+    assert swaps.count() == 1, "a line still being written is not counted"
+    with log.open("a") as handle:
+        handle.write("ed up; b released\n")
+    assert swaps.count() == 2
+
+    recorder = Recorder()
+    for second in range(40):  # 10 ms while steady, 30 ms while swapping, one failure after the swap
+        swapping = 10 <= second < 12 + DRAIN_S
+        recorder.add(Outcome(finished=float(second), latency=0.03 if swapping else 0.01, status="200"))
+    recorder.add(Outcome(finished=20.5, latency=0.01, status="503"))
+    marks = {"start": 0.0, "swap0": 10.0, "swap0_done": 12.0, "end": 40.0}
+
+    results = summarize({"marks": marks, "outcomes": recorder}, swaps=1)
+
+    assert results["phases"]["swap 1"]["p99_vs_before"] == pytest.approx(3.0)
+    assert results["phases"]["after swap 1"]["errors"] == {"503": 1}
+    assert results["target"]["failed"] == 1 and not results["target"]["met"]

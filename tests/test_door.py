@@ -32,7 +32,7 @@ def door_client(guard, *, pacer: RefusalPacer | None = None) -> tuple[httpx.Asyn
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=door), base_url="http://door"), app
 
 
-def full_queue(timeout_ms: float | None) -> Refused:
+def full_queue(timeout_ms: float | None, request_id: str | None) -> Refused:
     return QueueFull("the test queue holds 64 rows, its limit is 64", retry_after_s=2.2)
 
 
@@ -54,21 +54,21 @@ def test_a_refused_request_never_reaches_the_app_and_gets_the_services_error_bod
     assert seen == ["/embed", "/classify"]
 
 
-def test_the_guard_is_asked_with_the_clients_deadline_and_a_malformed_one_is_left_to_the_handler() -> None:
-    asked: list[float | None] = []
+def test_the_guard_is_asked_with_the_clients_deadline_and_id_and_a_malformed_deadline_is_left_to_the_handler() -> None:
+    asked: list[tuple[float | None, str | None]] = []
 
-    def guard(timeout_ms: float | None) -> None:
-        asked.append(timeout_ms)
+    def guard(timeout_ms: float | None, request_id: str | None) -> None:
+        asked.append((timeout_ms, request_id))
 
     async def scenario() -> list[str]:
         client, app = door_client(guard)
         async with client:
-            for headers in ({"X-Deadline-Ms": "250"}, {}, {"X-Deadline-Ms": "soon"}):
+            for headers in ({"X-Deadline-Ms": "250", "X-Request-ID": "r-1"}, {}, {"X-Deadline-Ms": "soon"}):
                 assert (await client.post("/classify", content=b"x", headers=headers)).text == "served"
         return app.seen
 
     assert asyncio.run(scenario()) == ["/classify"] * 3
-    assert asked == [250.0, None, None]
+    assert asked == [(250.0, "r-1"), (None, None), (None, None)]
 
 
 def test_a_burst_of_refusals_is_answered_at_once_and_a_sustained_excess_waits_its_turn_in_order() -> None:

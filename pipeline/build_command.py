@@ -1,0 +1,102 @@
+"""`python -m pipeline models/*.yaml`: build every recipe and write the serving manifest."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from pipeline.build import build
+from pipeline.export_check import ExportCheckError
+from pipeline.profile import Batching
+from pipeline.quiet import third_party_quiet
+from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
+from pipeline.report import write_report
+from serving.manifest import DEFAULT_MANIFEST, ManifestError, update_manifest
+
+console = Console(stderr=True, width=160)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
+    parser.add_argument("recipes", nargs="+", type=Path, help="recipe files (models/*.yaml)")
+    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST, help="serving manifest to write")
+    parser.add_argument("--reports", type=Path, default=Path("reports"), help="where report.md and plots go")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the store has this recipe")
+    return parser.parse_args(argv)
+
+
+def load_all(paths: list[Path]) -> list[LoadedRecipe]:
+    """Validate every recipe before any slow work, so a typo in the last one fails in a second."""
+    loaded = [load_recipe(path) for path in paths]
+    seen: dict[str, Path] = {}
+    for item in loaded:
+        endpoint = item.recipe.serving.endpoint
+        if endpoint is not None and endpoint in seen:
+            raise RecipeError(f"{item.path}: serving.endpoint: {endpoint!r} is already served by {seen[endpoint]}")
+        seen[endpoint] = item.path
+    return loaded
+
+
+def batching_summary(batching: Batching) -> str:
+    tokens = "" if batching.max_batch_tokens is None else f", {batching.max_batch_tokens} tokens"
+    return f"{batching.max_batch_size} rows{tokens}, {batching.max_latency_ms} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        recipes = load_all(args.recipes)
+    except RecipeError as exc:
+        console.print(f"[red]recipe error[/red] {exc}")
+        return 2
+    routes = {}
+    table = Table("recipe", "served", "built", "variants accepted", "batching", "report", "seconds")
+    with (
+        third_party_quiet(console),
+        Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
+        ) as progress,
+    ):
+        overall = progress.add_task("recipes", total=len(recipes))
+        for loaded in recipes:
+            started = time.monotonic()
+            task = progress.add_task(loaded.name, total=None)
+            try:
+                result = build(
+                    loaded,
+                    step=lambda text, t=task, n=loaded.name: progress.update(t, description=f"{n}: {text}"),
+                    force=args.force,
+                )
+            except (RecipeError, ExportCheckError) as exc:
+                progress.stop()
+                console.print(f"[red]{loaded.name} failed[/red]\n{exc}")
+                return 1
+            progress.update(task, description=f"{loaded.name}: done", total=1, completed=1)
+            progress.advance(overall)
+            if loaded.recipe.serving.endpoint is not None:
+                routes[loaded.recipe.serving.endpoint] = result.route(loaded)
+            report = write_report(loaded.recipe, result, args.reports / loaded.name)
+            table.add_row(
+                loaded.name,
+                f"{result.model.tag} ({result.model.info.labels['variant']})",
+                "reused" if result.reused else "new",
+                ", ".join(c.variant for c in result.candidates if c.accepted),
+                batching_summary(result.batching),
+                str(report),
+                f"{time.monotonic() - started:.1f}",
+            )
+    console.print(table)
+    try:
+        manifest = update_manifest(routes, args.manifest)
+    except ManifestError as exc:
+        console.print(f"[red]serving manifest not updated[/red] {exc}")
+        return 1
+    served = ", ".join(f"{endpoint} → {route.tag}" for endpoint, route in manifest if route) or "no endpoint"
+    console.print(f"serving manifest: {args.manifest} ({served})")
+    return 0
