@@ -347,7 +347,7 @@ def held_refusals(client: httpx.Client) -> float:
 
 
 def test_clients_that_retry_faster_than_the_refusal_rate_are_held_and_still_get_the_refusal(server) -> None:
-    """120 refusals at once against the default 200/s with a 40-refusal burst: the excess is held."""
+    """120 refusals at once against the default 50/s with a 10-refusal burst: the excess is held."""
     photo = sample_photos()["chelsea"]
     with server.client() as client:
         assert client.post("/classify", content=photo, headers=JPEG).status_code == 200  # the engine's speed, measured
