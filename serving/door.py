@@ -40,6 +40,8 @@ from serving.settings import refusals_per_s
 DEADLINE_HEADER = "X-Deadline-Ms"
 DEADLINE_HEADER_KEY = DEADLINE_HEADER.lower().encode()
 MAX_DEADLINE_MS = 600_000
+# A refused request's body is read up to this size, so that its connection can serve the next one.
+DRAIN_LIMIT_BYTES = 1024 * 1024
 # A refusal is never held longer than this: past it, a backlog of refusals is answered as it comes.
 MAX_HOLD_S = 5.0
 
@@ -101,7 +103,8 @@ class Door:
             return
         if self.pacer is not None:
             await self.pacer.pace()
-        await refuse(send, refusal)
+        drained = await drain(receive)
+        await refuse(send, refusal, close=not drained)
 
 
 def deadline_and_id(scope: Scope) -> tuple[float | None, str | None]:
@@ -128,13 +131,31 @@ def parse_deadline_ms(value: str | None) -> float | None:
     return float(value)
 
 
-async def refuse(send: Send, refusal: Refused) -> None:
-    """The refusal in the body and headers every refusal of the service has (serving/api.py)."""
+async def drain(receive: Receive, limit: int = DRAIN_LIMIT_BYTES) -> bool:
+    """Read the request's body to its end, up to `limit` bytes; False when it goes on past them.
+    Answering with the body unread cost uvicorn 6-8 ms per refused 38 kB photo (wrk, concurrency
+    1: 144 refusals a second) against 1.5 ms once it is read (911 a second); a larger body is not
+    worth reading for a refusal, and its connection is closed instead."""
+    read = 0
+    while read <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return True  # the client went away
+        read += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return True
+    return False
+
+
+async def refuse(send: Send, refusal: Refused, *, close: bool = False) -> None:
+    """The refusal in the body and headers every refusal of the service has (serving/api.py);
+    `close`: on a connection closed after it."""
     body = json.dumps(refusal.to_json()).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in refusal.headers.items()),
+        *([(b"connection", b"close")] if close else []),
     ]
     await send({"type": "http.response.start", "status": int(refusal.status), "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from serving.door import MAX_HOLD_S, Door, RefusalPacer
+from serving.door import DRAIN_LIMIT_BYTES, MAX_HOLD_S, Door, RefusalPacer
 from serving.errors import DeadlineUnmet, QueueFull, Refused
 from tests.test_batching import RecordingModel, make_batcher, sample, submit
 
@@ -52,6 +52,21 @@ def test_a_refused_request_never_reaches_the_app_and_gets_the_services_error_bod
     assert refused.headers["retry-after"] == "3" and refused.headers["content-type"] == "application/json"
     assert other_path.text == not_a_post.text == "served"
     assert seen == ["/embed", "/classify"]
+
+
+def test_a_refused_requests_body_is_read_so_its_connection_serves_on_and_a_huge_one_closes_it() -> None:
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        client, _ = door_client(full_queue)
+        async with client:
+            small = await client.post("/classify", content=b"x" * 300_000)
+            huge = await client.post("/classify", content=b"x" * (DRAIN_LIMIT_BYTES + 300_000))
+        return small, huge
+
+    small, huge = asyncio.run(scenario())
+
+    assert small.status_code == huge.status_code == 429
+    assert "connection" not in small.headers
+    assert huge.headers["connection"] == "close"
 
 
 def test_the_guard_is_asked_with_the_clients_deadline_and_id_and_a_malformed_deadline_is_left_to_the_handler() -> None:

@@ -244,7 +244,9 @@ def test_a_shadow_runs_every_request_beside_without_slowing_the_answers_and_repo
         )
         wait_logged(lifecycle.log, f"text-embedder@shadow → {lifecycle.rebuilt}, loaded and warmed up; now 100 %")
         shadowed = p50_ms(client, 200)
-    assert shadowed <= 1.10 * alone, f"p50 {shadowed:.2f} ms with the shadow, {alone:.2f} ms without"
+    # A shadow run inline would double the p50. The 10 % is a benchmark figure (BENCHMARKS.md:
+    # 10.13 against 10.16 ms on a quiet host); on a shared host 200 requests move by more than that.
+    assert shadowed <= 1.5 * alone + 1.0, f"p50 {shadowed:.2f} ms with the shadow, {alone:.2f} ms without"
 
     command = [sys.executable, "-m", "pipeline", "shadow-report", url]
     report = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout
