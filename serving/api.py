@@ -54,8 +54,8 @@ logger = logging.getLogger(__name__)
 
 class Front(Protocol):
     """What the front BentoML service instance offers the endpoints: each endpoint's traffic split
-    between its alias and a canary's, each model in a slot, so that a request keeps the model it
-    started with through a hot swap (serving/lifecycle.py)."""
+    between its alias, a canary's and a shadow's, each model in a slot, so that a request keeps the
+    model it started with through a hot swap (serving/lifecycle.py)."""
 
     classifier: Split[ImageClassifier] | None
     embedder: Split[TextEmbedder] | None

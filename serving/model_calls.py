@@ -85,7 +85,7 @@ def in_process_model(
     took 1.4–1.9 s of both cores; a larger batch then grows the session's memory once, on traffic.
     `background` (a shadow, serving/shadow.py): one intra-op thread, the engine thread's own, at
     the lowest CPU priority, so that it takes only the cores the answers leave idle; at normal
-    priority on two threads it slowed /embed's p50 at concurrency 1 by 24 %."""
+    priority (one thread too) it slowed /embed's p50 at concurrency 1 by 24 %."""
     settings = EngineSettings.from_environment(processes=processes)
     if background:
         settings = dataclasses.replace(settings, intra_op_threads=1)
