@@ -19,7 +19,7 @@ import bentoml
 import httpx
 import pytest
 from conftest import RunningServer, new_version, own_home, serving
-from prometheus_client.parser import text_string_to_metric_families
+from scrape import samples
 
 from sample_inputs import sample_photos
 from serving.aliases import Version, aliases_path, read_aliases
@@ -138,13 +138,9 @@ def test_promote_moves_the_next_requests_without_a_failure_and_rollback_moves_th
 
 
 def swaps(url: str, outcome: str) -> float:
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(metrics)
-        for sample in family.samples
-        if sample.name == "optiserve_model_swaps_total" and sample.labels == {"endpoint": "embed", "outcome": outcome}
-    )
+    with httpx.Client(base_url=url, timeout=10) as client:
+        found = samples(client, "optiserve_model_swaps_total")
+    return sum(value for labels, value in found if labels == {"endpoint": "embed", "outcome": outcome})
 
 
 def point_alias_by_hand(path: Path, tag: str) -> None:

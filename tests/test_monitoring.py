@@ -17,6 +17,7 @@ from bentoml.exceptions import BentoMLException
 from conftest import DRIFT_WINDOW
 from PIL import Image, ImageEnhance
 from prometheus_client.parser import text_string_to_metric_families
+from scrape import samples
 from test_deploy import alert_rules, monitoring_queries, parsed, selectors, threshold
 
 from pipeline.datasets import CALIBRATION_PHOTOS, random_view
@@ -144,12 +145,6 @@ def test_each_error_answer_has_its_class(error: Exception, status: int, expected
 
 
 # --- against the real service ------------------------------------------------------------------
-
-
-def samples(client: httpx.Client, name: str) -> list[tuple[dict[str, str], float]]:
-    """Every sample of the metric `name` (as exported, e.g. with `_total`) on the server's /metrics."""
-    families = text_string_to_metric_families(client.get("/metrics").text)
-    return [(s.labels, s.value) for f in families for s in f.samples if s.name == name]
 
 
 def drift_scores(client: httpx.Client, endpoint: str) -> dict[str, float]:

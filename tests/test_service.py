@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 from PIL import Image
+from scrape import samples
 
 from bench.processes import OPTISERVE, free_port
 from sample_inputs import encode, sample_photos
@@ -276,13 +277,10 @@ JPEG = {"content-type": "image/jpeg"}
 
 def refusals(client: httpx.Client, endpoint: str) -> dict[str, float]:
     """optiserve_refused_total by reason, for one endpoint."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     found: dict[str, float] = {}
-    for family in text_string_to_metric_families(client.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == "optiserve_refused_total" and sample.labels["endpoint"] == endpoint:
-                found[sample.labels["reason"]] = found.get(sample.labels["reason"], 0.0) + sample.value
+    for labels, value in samples(client, "optiserve_refused_total"):
+        if labels["endpoint"] == endpoint:
+            found[labels["reason"]] = found.get(labels["reason"], 0.0) + value
     return found
 
 
@@ -340,10 +338,7 @@ def test_a_flood_gets_answers_or_fast_refusals_with_retry_after_and_the_service_
 
 
 def held_refusals(client: httpx.Client) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families = text_string_to_metric_families(client.get("/metrics").text)
-    return sum(s.value for f in families for s in f.samples if s.name == "optiserve_refusals_held_total")
+    return sum(value for _, value in samples(client, "optiserve_refusals_held_total"))
 
 
 def test_clients_that_retry_faster_than_the_refusal_rate_are_held_and_still_get_the_refusal(server) -> None:
