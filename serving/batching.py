@@ -3,7 +3,10 @@
 A request is admitted at the door, before its images are decoded or its texts tokenized, only
 if the work already queued ahead of it, at the speed the engine measured on its recent
 batches, leaves time to answer it within its deadline; otherwise it is refused at once (503,
-or 429 when the queue is full) with Retry-After. What is admitted is then served at full speed
+or 429 when the queue is full) with Retry-After. The estimate counts the time recent requests
+took from admission to the queue (reading the body, decoding, waiting for the event loop) too:
+the engine drains the queue meanwhile, so the later of the two counts, and under a flood, when
+the loop is the bottleneck, it is the preparation that decides. What is admitted is then served at full speed
 instead of waiting for a deadline it was never going to make (Triton's queue policy, TEI's
 bounded queue).
 
@@ -80,6 +83,7 @@ class Admission:
     deadline: float
     reserved_rows: int
     reserved_cost: float
+    admitted: float = 0.0  # monotonic seconds
     submitted: bool = False
 
 
@@ -89,12 +93,16 @@ class _Speed:
 
     seconds_per_cost: float | None = None
     cost_per_row: float | None = None
+    preparation_seconds: float | None = None  # from admission to the queue
 
     def observe_batch(self, seconds: float, cost: int) -> None:
         self.seconds_per_cost = _smooth(self.seconds_per_cost, seconds / cost)
 
     def observe_request(self, rows: int, cost: int) -> None:
         self.cost_per_row = _smooth(self.cost_per_row, cost / rows)
+
+    def observe_preparation(self, seconds: float) -> None:
+        self.preparation_seconds = _smooth(self.preparation_seconds, seconds)
 
 
 def _smooth(current: float | None, sample: float) -> float:
@@ -154,7 +162,7 @@ class Batcher(Generic[Rows]):
                 raise self._refuse(refusal)
             self._queue.reserved_rows += rows
             self._queue.reserved_cost += own_cost
-        admission = Admission(deadline=deadline, reserved_rows=rows, reserved_cost=own_cost)
+        admission = Admission(deadline=deadline, reserved_rows=rows, reserved_cost=own_cost, admitted=now)
         try:
             yield admission
         finally:
@@ -180,11 +188,13 @@ class Batcher(Generic[Rows]):
             message = f"the {self._metrics.endpoint} queue holds {waiting} rows, its limit is {limit}"
             return QueueFull(message, retry_after_s=self._drain_seconds(now)), now
         budget_ms = min(self.limits.max_latency_ms, timeout_ms or math.inf)
-        ahead = self._drain_seconds(now)
-        late = ahead + own_cost * (self._speed.seconds_per_cost or 0.0) - budget_ms / 1000
+        per_cost = self._speed.seconds_per_cost or 0.0
+        # Reserved work reaches the queue about when this request does, queued work meanwhile drains.
+        ahead = max(self._speed.preparation_seconds or 0.0, self._queued_seconds(now)) + queue.reserved_cost * per_cost
+        late = ahead + own_cost * per_cost - budget_ms / 1000
         if late <= 0:
             return None, now + budget_ms / 1000
-        if ahead == 0 and timeout_ms is None:
+        if self._drain_seconds(now) == 0 and timeout_ms is None:
             # Too big for the server's deadline on an idle engine: refusing would not make room for
             # anyone, so it runs, as soon as it can, with no deadline to expire.
             return None, math.inf
@@ -196,12 +206,16 @@ class Batcher(Generic[Rows]):
 
     def _drain_seconds(self, now: float) -> float:
         """Engine time until everything admitted so far has run. Caller holds the lock."""
+        return self._queued_seconds(now) + self._queue.reserved_cost * (self._speed.seconds_per_cost or 0.0)
+
+    def _queued_seconds(self, now: float) -> float:
+        """Engine time until the running batch and the queue have run. Caller holds the lock."""
         per_cost = self._speed.seconds_per_cost
         if per_cost is None:  # nothing measured yet: admit, and learn from the first batch
             return 0.0
         queue = self._queue
         running_left = max(0.0, queue.running_since + queue.running_cost * per_cost - now) if queue.running_cost else 0
-        return running_left + (queue.queued_cost + queue.reserved_cost) * per_cost
+        return running_left + queue.queued_cost * per_cost
 
     def _refuse(self, error: Refused) -> Refused:
         self._metrics.refused(error.reason)
@@ -224,6 +238,7 @@ class Batcher(Generic[Rows]):
         with self._queue.lock:
             self._unreserve(admission)
             admission.submitted = True
+            self._speed.observe_preparation(now - admission.admitted)
             self._queue.last_interactive = now
             for piece in pieces:
                 self._queue.pending.append(piece)

@@ -181,6 +181,29 @@ def test_requests_the_queue_cannot_serve_in_time_are_refused_at_the_door_and_the
     assert sample("optiserve_refused_total", "door", reason="deadline") == len(refused)
 
 
+def test_the_time_requests_take_to_reach_the_queue_counts_in_what_is_admitted() -> None:
+    """Requests that take 150 ms from admission to the queue (a slow upload, a busy event loop),
+    10 ms of engine time each, a 200 ms deadline: only what the engine can still run in the 50 ms
+    left is let in, and none of it expires in the queue."""
+    model = RecordingModel(seconds_per_batch=0.002, seconds_per_row=0.01)
+    batcher = make_batcher(model, endpoint="preparing", max_batch_size=4, max_latency_ms=200)
+
+    async def prepared(rows: np.ndarray) -> np.ndarray:
+        with batcher.admit(len(rows)) as admission:
+            await asyncio.sleep(0.15)
+            return await batcher.run(rows, admission)
+
+    async def flood() -> list:
+        await prepared(np.ones((1, 1)))  # the batcher learns the engine's speed and the preparation's
+        return await asyncio.gather(*(prepared(np.ones((1, 1))) for _ in range(40)), return_exceptions=True)
+
+    outcomes = asyncio.run(flood())
+
+    assert sum(isinstance(o, np.ndarray) for o in outcomes) >= 1
+    assert not [o for o in outcomes if isinstance(o, DeadlineExpired)], "admitted requests expired in the queue"
+    assert all(isinstance(o, np.ndarray | DeadlineUnmet) for o in outcomes)
+
+
 async def behind_a_busy_engine(batcher: Batcher, *, timeout_ms: float) -> object:
     """One request sent behind two 50 ms batches: it would be answered after about 0.15 s."""
     await submit(batcher, np.ones((1, 1)))  # the batcher learns the engine's speed
