@@ -75,7 +75,8 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
     points = time_interleaved(runners, args.batch, seconds=args.seconds, blocks=8)
     fp32 = points["fp32"].p50_ms
     # Each engine's own FP32: the export itself for ONNX Runtime, the `openvino` variant for OpenVINO.
-    engine_fp32 = {"onnxruntime": fp32, "openvino": points["openvino"].p50_ms if "openvino" in points else None}
+    openvino = points["openvino"].p50_ms if "openvino" in points else None
+    engine_fp32 = {"onnxruntime": fp32, "openvino": openvino, "openvino-bf16": openvino}
     return [
         {
             "model": str(model.tag),

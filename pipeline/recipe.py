@@ -131,6 +131,7 @@ VariantName = Literal[
     "inc-int8",
     "openvino",
     "openvino-int8",
+    "openvino-bf16",
 ]
 
 

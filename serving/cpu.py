@@ -36,6 +36,11 @@ def describe_cpu() -> str:
     return f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, ISA: {isa}"
 
 
+def has_bf16() -> bool:
+    """bf16 arithmetic in hardware (AMX or AVX512_BF16): without it OpenVINO computes bf16 models in f32."""
+    return any("bf16" in flag for flag in isa_flags())
+
+
 def has_vnni() -> bool:
     """Without VNNI, x86 int8 kernels can saturate u8×s8 products; ORT then advises 7-bit weights."""
     return any("vnni" in flag for flag in isa_flags())

@@ -77,7 +77,10 @@ class TextModelRuntime(_EngineRuntime):
     predict_rows = predict
 
     def _run(self, rows: list[list[int]]) -> np.ndarray:
-        feeds = pad_batch(rows, self.spec.text.pad_token_id)
+        text = self.spec.text
+        feeds = pad_batch(
+            rows, text.pad_token_id, length_multiple=self.engine.length_multiple, max_length=text.max_length
+        )
         return self.engine.run(feeds)[self.engine.output_names[0]]
 
     def warm_up(self, max_batch_size: int, max_batch_tokens: int | None = None) -> None:

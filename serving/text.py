@@ -53,9 +53,15 @@ def check_text_batch(texts: list[str], *, max_items: int) -> None:
         raise InputTooLarge(f"texts has {len(texts)} items; the limit per request is {max_items}")
 
 
-def pad_batch(rows: list[list[int]], pad_id: int) -> dict[str, np.ndarray]:
-    """Right-pad to the longest row of this batch, not to the model maximum."""
+def pad_batch(
+    rows: list[list[int]], pad_id: int, *, length_multiple: int = 1, max_length: int | None = None
+) -> dict[str, np.ndarray]:
+    """Right-pad to the longest row of this batch, not to the model maximum: rounded up to
+    `length_multiple` (an engine that compiles kernels per shape, serving/engine.py), never
+    past `max_length`."""
     longest = max(len(row) for row in rows)
+    rounded = -(-longest // length_multiple) * length_multiple
+    longest = max(longest, min(rounded, max_length or rounded))
     input_ids = np.full((len(rows), longest), pad_id, dtype=np.int64)
     attention_mask = np.zeros((len(rows), longest), dtype=np.int64)
     for i, row in enumerate(rows):

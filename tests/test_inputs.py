@@ -150,6 +150,14 @@ def test_pad_batch_pads_to_the_longest_row_only() -> None:
     assert feeds["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
 
 
+def test_pad_batch_rounds_the_length_up_to_the_engines_multiple_but_not_past_the_model_maximum() -> None:
+    feeds = pad_batch([[1, 2, 3], [4]], pad_id=0, length_multiple=4)
+    assert feeds["input_ids"].tolist() == [[1, 2, 3, 0], [4, 0, 0, 0]]
+    assert feeds["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert pad_batch([[1] * 10], pad_id=0, length_multiple=8, max_length=12)["input_ids"].shape == (1, 12)
+    assert pad_batch([[1] * 8], pad_id=0, length_multiple=8)["input_ids"].shape == (1, 8)
+
+
 def test_length_groups_bound_padding_and_keep_every_row_once() -> None:
     lengths = [40, 2, 41, 9, 3, 80, 10, 42]
     groups = length_groups(lengths, max_padding=0.25)

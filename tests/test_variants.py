@@ -49,7 +49,7 @@ def tiny_text_recipe(tmp_path_factory) -> dict:
         "source": {"kind": "huggingface", "path": str(tiny_bert_dir(root))},
         "text": {"max_length": 64},
         "export": {"tolerance": {"max_abs_diff": 1e-4, "min_cosine": 0.9999}},
-        "variants": ["graph-opt", "int8-dynamic", "int8-static", "fp16", "openvino", "openvino-int8"],
+        "variants": ["graph-opt", "int8-dynamic", "int8-static", "fp16", "openvino", "openvino-bf16", "openvino-int8"],
         "budget": {"max_drop": {"mean_cosine": 0.05}, "p99_slo_ms": 2000},
         "profiling": TINY_PROFILE,
         "serving": {"endpoint": "embed"},
@@ -74,6 +74,7 @@ def test_every_requested_variant_is_reported(tiny_text: BuildResult) -> None:
         "int8-static",
         "fp16",
         "openvino",
+        "openvino-bf16",
         "openvino-int8",
     ]
 
@@ -103,6 +104,42 @@ def test_openvino_runs_the_fp32_export_unchanged(tiny_text: BuildResult) -> None
     candidate = by_variant(tiny_text)["openvino"]
     assert candidate.accepted and candidate.engine == "openvino"
     assert candidate.drops["mean_cosine"] < 1e-5, "OpenVINO kept at f32 computes what ONNX Runtime does"
+
+
+def test_openvino_bf16_is_gated_where_the_cpu_computes_bf16_and_refused_by_name_elsewhere(
+    tiny_text: BuildResult,
+) -> None:
+    from serving.cpu import has_bf16
+
+    candidate = by_variant(tiny_text)["openvino-bf16"]
+    if has_bf16():
+        assert candidate.accepted, candidate.reason
+        assert candidate.engine == "openvino-bf16" and candidate.precision == "bf16"
+        # bf16 keeps 8 bits of mantissa: close to FP32, and not FP32 itself.
+        assert 0 < candidate.drops["mean_cosine"] < 0.01
+    else:
+        assert not candidate.accepted and "no bf16 instructions" in candidate.reason
+
+
+def test_openvino_pads_texts_to_a_multiple_of_8_tokens_and_embeds_them_as_onnx_runtime_does_unpadded(
+    tiny_text: BuildResult,
+) -> None:
+    from sample_inputs import sample_texts
+    from serving.engine import EngineSettings
+    from serving.model_runtime import TextModelRuntime, read_spec
+    from serving.text import TextTokenizer
+
+    stored = bentoml.models.get(f"tiny-embedder:{_tag_of(tiny_text, 'fp32')}")
+    spec = read_spec(stored.info.metadata)
+    runtimes = {
+        engine: TextModelRuntime(Path(stored.path), spec, EngineSettings(1), engine=engine)
+        for engine in ("onnxruntime", "openvino")
+    }
+    rows = TextTokenizer(Path(stored.path) / "tokenizer.json", max_length=64).encode(sample_texts(24), truncate=True)
+    assert any(len(row) % 8 for row in rows)
+    assert (runtimes["onnxruntime"].engine.length_multiple, runtimes["openvino"].engine.length_multiple) == (1, 8)
+    unpadded, padded = (runtimes[engine].predict(rows) for engine in ("onnxruntime", "openvino"))
+    np.testing.assert_allclose(padded, unpadded, atol=1e-4)
 
 
 def test_openvino_int8_is_nncf_quantized_and_close_to_fp32(tiny_text: BuildResult) -> None:

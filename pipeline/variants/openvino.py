@@ -1,6 +1,7 @@
-"""CPU variants that OpenVINO runs: the FP32 export as it is, and NNCF's post-training INT8.
+"""CPU variants that OpenVINO runs: the FP32 export as it is, the same computed in bf16 on CPUs
+with bf16 instructions (AMX, AVX512_BF16), and NNCF's post-training INT8.
 
-Both stay ONNX files (one format in the store, one sha256 check, ONNX Runtime can still open
+All stay ONNX files (one format in the store, one sha256 check, ONNX Runtime can still open
 them); what differs is the engine recorded with them. NNCF quantizes with its ONNX backend:
 it inserts QuantizeLinear/DequantizeLinear pairs where OpenVINO's CPU plugin has int8 kernels
 (and only there), calibrated on the recipe's calibration rows, never on the evaluation rows.
@@ -18,6 +19,7 @@ import numpy as np
 import onnx
 
 from pipeline.variants.base import VariantInputs, kind, weighted_ends
+from serving.cpu import has_bf16
 from serving.engine import EngineSettings, OpenVinoEngine
 
 # Accuracy control stops reverting layers to float once the drop on its data is this small: a
@@ -31,6 +33,18 @@ ACCURACY_CONTROL_ITERATIONS = 8
 @kind("openvino", "fp32", lambda inputs: [{}], engine="openvino")
 def _openvino(inputs: VariantInputs, config: dict, out: Path) -> None:
     """The FP32 export compiled by OpenVINO (its ONNX frontend; precision pinned to f32)."""
+    shutil.copyfile(inputs.fp32, out)
+
+
+@kind("openvino-bf16", "bf16", lambda inputs: [{}], engine="openvino-bf16")
+def _openvino_bf16(inputs: VariantInputs, config: dict, out: Path) -> None:
+    """The FP32 export computed by OpenVINO in bf16 (AMX or AVX512_BF16 matrix units): no
+    calibration, and usually within a fraction of a point of FP32, which the gate checks."""
+    if not has_bf16():
+        raise ValueError(
+            "this CPU has no bf16 instructions (amx_bf16 or avx512_bf16): OpenVINO would compute "
+            "in f32, which the `openvino` variant already is"
+        )
     shutil.copyfile(inputs.fp32, out)
 
 
