@@ -10,7 +10,7 @@ import pytest
 from tiny_http import directives
 
 from bench.limit import BATCH_SIZES, text_limit
-from bench.serving import wrk_check
+from bench.serving import one_of, stall_check, verdicts, wrk_check
 from bench.swap import DRAIN_S, SwapLines, summarize
 from bench.variants import main
 from bench.wrk import run_wrk, wrk_installed
@@ -72,6 +72,48 @@ def test_loadtest_reads_a_latency_bound_server_like_wrk(tiny_server) -> None:
     assert check["met"], check
     assert check["concurrency"] == 2 and all(run["connections"] == 2 for run in check["wrk_runs"])
     assert len(check["loadtest_runs"]) == len(check["wrk_runs"]) == 3  # alternated, three rounds each
+
+
+def test_the_stall_check_repeats_one_request_at_concurrency_1(tiny_server) -> None:
+    payloads = [directives(sleep=0.02), directives(sleep=0.2)]
+
+    check = stall_check(f"{tiny_server.url}/slow", payloads[:1], seconds=1.0)
+
+    assert check["input"] == payloads[0].name and 10 <= check["requests"] <= 50
+    assert 20 <= check["p50_ms"] <= check["p99_ms"] < 200, "the 200 ms body was never sent"
+
+
+def test_the_stall_check_sends_a_jpeg_photo_or_a_sentence_of_about_16_tokens() -> None:
+    from loadtest.inputs import Payload, text_payloads
+
+    photos = [Payload("a.png", b"png", "image/png"), Payload("b.jpg", b"jpg", "image/jpeg")]
+    assert [p.name for p in one_of(photos, content_type="image/jpeg")] == ["b.jpg"]
+    texts = text_payloads(["two words", "a sentence of exactly twelve words that is about sixteen tokens long", "x"])
+    (chosen,) = one_of(texts, words=12)
+    assert json.loads(chosen.body)["texts"] == ["a sentence of exactly twelve words that is about sixteen tokens long"]
+
+
+def test_a_mixed_inputs_c1_spread_is_judged_against_the_engines_own_and_stalls_on_one_input() -> None:
+    def server(c1: tuple[float, float], one: tuple[float, float]) -> dict:
+        return {
+            "knee_throughput": 100.0,
+            "knee_p50_ms": 10.0,
+            "knee_p99_ms": 20.0,
+            "c1_p50_ms": c1[0],
+            "c1_p99_ms": c1[1],
+            "errors_below_knee": 0,
+            "one_input_c1": {"input": "b.jpg", "p50_ms": one[0], "p99_ms": one[1]},
+        }
+
+    limit = {"throughput": 100.0, "batch1_p50_ms": 3.0, "batch1_p99_ms": 12.0}  # the engine's own spread: 4 ×
+    spread_of_the_mix = verdicts(
+        "text", {"limit": limit, "optiserve": server((4, 14), (4, 6)), "naive": {"knee_throughput": 10.0}}, None
+    )
+    assert spread_of_the_mix["c1_p99_vs_p50_mix"]["met"] and spread_of_the_mix["c1_p99_vs_p50"]["met"]
+    stalling = verdicts(
+        "text", {"limit": limit, "optiserve": server((4, 20), (4, 9)), "naive": {"knee_throughput": 10.0}}, None
+    )
+    assert not stalling["c1_p99_vs_p50_mix"]["met"] and not stalling["c1_p99_vs_p50"]["met"]
 
 
 def test_the_swap_bench_counts_logged_swaps_and_holds_each_swap_to_the_phase_before_it(tmp_path) -> None:
