@@ -623,13 +623,18 @@ def main(argv: list[str] | None = None) -> int:
     def naive_payloads_for(model: str) -> tuple[list, str]:
         return MODELS[model].naive_payloads(samples)
 
-    def measure_server(name: str, command: list[str], env: dict[str, str], cwd: Path, payloads_for) -> None:
+    def measure_server(
+        name: str, command: list[str], env: dict[str, str], cwd: Path, payloads_for, *, stall: bool = True
+    ) -> None:
+        """`stall`: also the stall check (optiserve's requests only: the naive server takes pixels)."""
         with on_free_port(command, env=env, cwd=cwd, log=logs / f"{name}.log") as server:
             url = server.url
             for model in models:
                 payloads, path = payloads_for(model)
                 document = sweep(url + path, payloads, args, input_kind=model)
-                document["stall_check"] = stall_check(url + path, MODELS[model].one_input(payloads), args.stall_seconds)
+                if stall:
+                    one = MODELS[model].one_input(payloads)
+                    document["stall_check"] = stall_check(url + path, one, args.stall_seconds)
                 results["models"][model][f"{name}_sweep"] = document
         results["servers"].append(name)
 
@@ -645,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             measure_server(
                 baseline, OPTISERVE, {**env, "OPTISERVE_MANIFEST": str(baseline_manifest)}, checkout, payloads_for
             )
-    measure_server("naive", [sys.executable, "-m", "bench.naive_server"], env, REPO, naive_payloads_for)
+    measure_server("naive", [sys.executable, "-m", "bench.naive_server"], env, REPO, naive_payloads_for, stall=False)
 
     for model, figures in results["models"].items():
         for name in results["servers"]:
