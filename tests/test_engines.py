@@ -52,7 +52,7 @@ def test_openvino_answers_each_calling_thread_with_its_own_rows(built_models, ph
 
 
 def test_an_unknown_engine_is_named_with_the_known_ones(built_models) -> None:
-    with pytest.raises(ValueError, match=r"unknown engine 'tvm' \(known: onnxruntime, openvino\)"):
+    with pytest.raises(ValueError, match=r"unknown engine 'tvm' \(known: onnxruntime, openvino, openvino-bf16\)"):
         open_engine("tvm", fp32_export(built_models["image-classifier"]), EngineSettings(1))
 
 
