@@ -35,9 +35,12 @@ from datetime import UTC, datetime
 from functools import cached_property
 from importlib import metadata as package_metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.wrk import run_wrk, wrk_installed
+
+if TYPE_CHECKING:
+    from loadtest.inputs import Payload
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_TEXTS = 64
@@ -111,7 +114,7 @@ class BenchModel:
     payloads: Callable[[Samples], list]  # one item per request
     naive_payloads: Callable[[Samples], tuple[list, str]]  # the naive server's requests and path
     limit_inputs: Callable[[Samples], Sequence]  # what bench/limit.py measures the limit on
-    one_input: Callable[[list], list]  # of `payloads`: the one request of the stall check
+    one_input: Callable[[list], Payload]  # of `payloads`: the one request of the stall check
 
     @property
     def path(self) -> str:
@@ -121,12 +124,15 @@ class BenchModel:
         return getattr(manifest, self.endpoint)
 
 
-def one_of(payloads: list, *, content_type: str | None = None, words: int | None = None) -> list:
-    """The one request the stall check repeats: the first of a content type, or the text nearest
-    `words` words long (a 12-word sentence is about 16 tokens)."""
-    if content_type is not None:
-        return [next(p for p in payloads if p.content_type == content_type)]
-    return [min(payloads, key=lambda p: abs(len(json.loads(p.body)["texts"][0].split()) - (words or 0)))]
+def first_of_type(payloads: list[Payload], content_type: str) -> Payload:
+    """The stall check's photo: the first request of this content type."""
+    return next(p for p in payloads if p.content_type == content_type)
+
+
+def sentence_near(payloads: list[Payload], words: int) -> Payload:
+    """The stall check's text: the one-sentence request nearest `words` words long (a 12-word
+    sentence is about 16 tokens)."""
+    return min(payloads, key=lambda p: abs(len(json.loads(p.body)["texts"][0].split()) - words))
 
 
 def _image_payloads(samples: Samples) -> list:
@@ -150,7 +156,7 @@ MODELS = {
         _image_payloads,
         lambda samples: (naive_pixel_payloads(samples.files, REPO / "models" / "image-classifier.yaml"), "/predict"),
         lambda samples: samples.files,
-        lambda payloads: one_of(payloads, content_type="image/jpeg"),
+        lambda payloads: first_of_type(payloads, "image/jpeg"),
     ),
     "text": BenchModel(
         "embed",
@@ -159,7 +165,7 @@ MODELS = {
         _text_payloads,
         lambda samples: (_text_payloads(samples), "/embed"),
         lambda samples: samples.texts,
-        lambda payloads: one_of(payloads, words=12),
+        lambda payloads: sentence_near(payloads, 12),
     ),
 }
 
@@ -383,18 +389,18 @@ def loadtest_throughput(url: str, payloads: list, concurrency: int, seconds: flo
     return sum(o.ok for o in outcomes) / elapsed
 
 
-def stall_check(url: str, payload: list, seconds: float) -> dict[str, Any]:
+def stall_check(url: str, payload: Payload, seconds: float) -> dict[str, Any]:
     """One request, always the same, at concurrency 1: every input costs the same, so a p99 far
     above the p50 is the server stalling (the collector, a timer, a hand-off), not a longer
     input. The sweep's c=1 figures are of the input mix, whose spread the engine has too."""
     from loadtest.stats import summarize
 
-    print(f"one input ({payload[0].name}) at concurrency 1 on {url} …", file=sys.stderr)
-    closed_loop_outcomes(url, payload, 1, 1.0)  # warm-up: the sweep's last level may still drain
-    outcomes, elapsed = closed_loop_outcomes(url, payload, 1, seconds)
+    print(f"one input ({payload.name}) at concurrency 1 on {url} …", file=sys.stderr)
+    closed_loop_outcomes(url, [payload], 1, 1.0)  # warm-up: the sweep's last level may still drain
+    outcomes, elapsed = closed_loop_outcomes(url, [payload], 1, seconds)
     latency = summarize(outcomes, elapsed).latency_ms
     return {
-        "input": payload[0].name,
+        "input": payload.name,
         "requests": len(outcomes),
         "p50_ms": latency.p50 if latency else None,
         "p99_ms": latency.p99 if latency else None,

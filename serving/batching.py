@@ -3,12 +3,12 @@
 A request is admitted at the door, before its images are decoded or its texts tokenized, only
 if the work already queued ahead of it, at the speed the engine measured on its recent
 batches, leaves time to answer it within its deadline; otherwise it is refused at once (503,
-or 429 when the queue is full) with Retry-After. The estimate counts the time recent requests
-took from admission to the queue (reading the body, decoding, waiting for the event loop) too:
-the engine drains the queue meanwhile, so the later of the two counts, and under a flood, when
-the loop is the bottleneck, it is the preparation that decides. What is admitted is then served at full speed
-instead of waiting for a deadline it was never going to make (Triton's queue policy, TEI's
-bounded queue).
+or 429 when the queue is full) with Retry-After. The estimate also counts the time recent
+requests took from admission to the queue (reading the body, decoding, waiting for the event
+loop): the engine drains the queue meanwhile, so the later of the two counts, and under a flood,
+when the loop is the bottleneck, it is the preparation that decides. What is admitted is then
+served at full speed instead of waiting for a deadline it was never going to make (Triton's
+queue policy, TEI's bounded queue).
 
 The engine thread forms each batch itself the moment the previous one returns: the requests
 waiting, in arrival order, up to `max_batch_size` rows and, for text, `max_batch_tokens` padded

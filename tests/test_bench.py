@@ -10,7 +10,7 @@ import pytest
 from tiny_http import directives
 
 from bench.limit import BATCH_SIZES, text_limit
-from bench.serving import one_of, stall_check, verdicts, wrk_check
+from bench.serving import first_of_type, sentence_near, stall_check, verdicts, wrk_check
 from bench.swap import DRAIN_S, SwapLines, summarize
 from bench.variants import main
 from bench.wrk import run_wrk, wrk_installed
@@ -77,7 +77,7 @@ def test_loadtest_reads_a_latency_bound_server_like_wrk(tiny_server) -> None:
 def test_the_stall_check_repeats_one_request_at_concurrency_1(tiny_server) -> None:
     payloads = [directives(sleep=0.02), directives(sleep=0.2)]
 
-    check = stall_check(f"{tiny_server.url}/slow", payloads[:1], seconds=1.0)
+    check = stall_check(f"{tiny_server.url}/slow", payloads[0], seconds=1.0)
 
     assert check["input"] == payloads[0].name and 10 <= check["requests"] <= 50
     assert 20 <= check["p50_ms"] <= check["p99_ms"] < 200, "the 200 ms body was never sent"
@@ -87,9 +87,9 @@ def test_the_stall_check_sends_a_jpeg_photo_or_a_sentence_of_about_16_tokens() -
     from loadtest.inputs import Payload, text_payloads
 
     photos = [Payload("a.png", b"png", "image/png"), Payload("b.jpg", b"jpg", "image/jpeg")]
-    assert [p.name for p in one_of(photos, content_type="image/jpeg")] == ["b.jpg"]
+    assert first_of_type(photos, "image/jpeg").name == "b.jpg"
     texts = text_payloads(["two words", "a sentence of exactly twelve words that is about sixteen tokens long", "x"])
-    (chosen,) = one_of(texts, words=12)
+    chosen = sentence_near(texts, 12)
     assert json.loads(chosen.body)["texts"] == ["a sentence of exactly twelve words that is about sixteen tokens long"]
 
 
