@@ -3,8 +3,7 @@
 One run, one machine, the same model files and the same inputs (the project's sample photos
 and texts), the load generator (`loadtest`) in this process:
 
-- limit: in-process decode/tokenize + the model's engine at the best batch size and engine
-  streams (bench/limit.py);
+- limit: in-process decode/tokenize + ONNX Runtime at the best batch size (bench/limit.py);
 - optiserve: `bentoml serve service:Optiserve` over a model store and serving manifest, with the
   models in the front process (the default placement); `optiserve-service` is the same with
   one BentoML model service per model (`OPTISERVE_MODEL_PLACEMENT=service`), for comparison;
@@ -486,8 +485,7 @@ def print_summary(results: dict[str, Any]) -> None:
         limit = figures["limit"]
         table.add_row(
             model,
-            f"limit (batch {limit['best_batch']}, {limit['best_streams']} stream(s); served ≤ "
-            f"{limit['served_max_batch_size']}, {limit['served_engine_streams']})",
+            f"limit (batch {limit['best_batch']}; served ≤ {limit['served_max_batch_size']})",
             f"{limit['throughput']:.1f}",
             f"- / {limit['batch_p99_ms']:.1f} (batch)",
             "-",
@@ -621,8 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measuring the {model} limit …", file=sys.stderr)
         inputs = MODELS[model].limit_inputs(samples)
         limit = measure_limit(bentoml.models.get(route.tag), inputs, seconds=args.limit_seconds, slo_ms=args.slo_ms)
-        served = {"served_max_batch_size": route.max_batch_size, "served_engine_streams": route.engine_streams}
-        results["models"][model]["limit"] = asdict(limit) | served
+        results["models"][model]["limit"] = asdict(limit) | {"served_max_batch_size": route.max_batch_size}
 
     env = server_env(manifest_path)
 

@@ -3,7 +3,6 @@ profiled → served variant selected → every accepted artifact in the model st
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,31 +16,21 @@ import torch
 from pipeline.evaluate import run_batched
 from pipeline.export import ServingGraph, export_onnx
 from pipeline.export_check import check_export
-from pipeline.profile import (
-    Batching,
-    ProfilePoint,
-    Run,
-    best_point,
-    choose_batching,
-    choose_streams,
-    profile,
-    runtime_runner,
-    sampler,
-)
+from pipeline.profile import Batching, ProfilePoint, Run, best_point, choose_batching, profile, runtime_runner, sampler
 from pipeline.recipe import LoadedRecipe, Recipe
 from pipeline.registry import RECIPE_HASH, find_selected, register
 from pipeline.sources import load_source
 from pipeline.tasks import TASKS, PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT, Candidate, Predict, judge_slices, tune
 from pipeline.variants import KINDS, VariantInputs
-from serving.engine import ENGINE_LABEL, EngineName, EngineSettings, available_providers, open_engine, stream_counts
+from serving.engine import ENGINE_LABEL, EngineName, EngineSettings, available_providers, open_engine
 from serving.manifest import Route
 from serving.model_runtime import onnx_runtime
 from serving.model_spec import ONNX_FILE, SPEC_KEY
 from serving.monitoring import MONITORING_KEY
 
 # Bump when export or registration changes what an unchanged recipe produces.
-EXPORT_REVISION = "4"
+EXPORT_REVISION = "3"
 Step = Callable[[str], None]
 EAGER = "pytorch-eager"
 
@@ -66,7 +55,6 @@ class BuildResult:
             max_batch_tokens=serving.max_batch_tokens or self.batching.max_batch_tokens,
             max_latency_ms=serving.max_latency_ms or self.batching.max_latency_ms,
             max_items_per_request=serving.max_items_per_request,
-            engine_streams=serving.engine_streams or self.batching.streams,
         )
 
 
@@ -169,8 +157,6 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
         batching = choose_batching(
             chosen.profile, slo_ms=slo_ms, max_length=data.spec.text.max_length if data.spec.text else None
         )
-        step(f"timing engine streams for {chosen.variant}")
-        batching = with_streams(batching, chosen, data, settings, recipe.profiling.seconds_per_point)
         step("registering in the model store")
         common = {
             RECIPE_HASH: content_hash,
@@ -258,21 +244,6 @@ def profile_candidates(
     for candidate in candidates:
         candidate.profile = profiles.get(candidate.variant, [])
     return profiles[EAGER]
-
-
-def with_streams(
-    batching: Batching, chosen: Candidate, data: TaskData, settings: EngineSettings, seconds: float
-) -> Batching:
-    """`batching` with the engine streams `choose_streams` measured for the served variant."""
-    runners = {
-        n: runtime_runner(
-            onnx_runtime(chosen.path, data.spec, dataclasses.replace(settings, streams=n), chosen.engine),
-            sampler(data.profiling.rows),
-        )
-        for n in stream_counts(settings.intra_op_threads)
-    }
-    streams, why = choose_streams(runners, batching.max_batch_size, seconds=seconds)
-    return batching.model_copy(update={"streams": streams, "reason": f"{batching.reason}; {why}"})
 
 
 def register_candidate(

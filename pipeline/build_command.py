@@ -45,7 +45,7 @@ def load_all(paths: list[Path]) -> list[LoadedRecipe]:
 
 def batching_summary(batching: Batching) -> str:
     tokens = "" if batching.max_batch_tokens is None else f", {batching.max_batch_tokens} tokens"
-    return f"{batching.max_batch_size} rows{tokens}, {batching.max_latency_ms} ms, {batching.streams} stream(s)"
+    return f"{batching.max_batch_size} rows{tokens}, {batching.max_latency_ms} ms"
 
 
 def main(argv: list[str] | None = None) -> int:

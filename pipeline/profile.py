@@ -11,7 +11,6 @@ a run, PyTorch's OpenMP pool likewise) must not be billed to the next one.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,7 +45,6 @@ class Batching(BaseModel):
     max_batch_size: int
     max_batch_tokens: int | None = None  # text: padded tokens per engine call
     max_latency_ms: int
-    streams: int = 1  # batches the engine runs at once (serving/engine.py `EngineSettings.streams`)
     reason: str
 
 
@@ -196,63 +194,6 @@ def choose_token_cap(chosen: ProfilePoint, *, max_rows: int, max_length: int) ->
     elif solved > ceiling:
         reason += f"; lowered to {max_rows} rows × {max_length} tokens, where the row cap binds first"
     return cap, reason
-
-
-def _concurrent_block(run: Run, batch: int, callers: int, seconds: float) -> tuple[int, float]:
-    """Rows run and wall seconds with `callers` threads calling `run(batch)` back to back, as the
-    batcher's engine threads do under load."""
-    rows = [0] * callers
-    run(batch)  # untimed, as in `_timed_block`
-    end = time.monotonic() + seconds
-
-    def call(index: int) -> None:
-        while time.monotonic() < end:
-            run(batch)
-            rows[index] += batch
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(rows), time.perf_counter() - started
-
-
-def choose_streams(
-    runners: dict[int, Run],
-    batch: int,
-    *,
-    seconds: float,
-    blocks: int = 4,
-    min_gain: float = 0.05,
-    latency_allowance_ms: float = 1.0,
-) -> tuple[int, str]:
-    """How many batches the engine should run at once: `runners` maps a stream count to a runner
-    over an engine opened with that many streams. Each is timed at `batch` (the chosen row cap)
-    with as many callers as streams, and alone at batch 1, interleaved like the profile. More
-    streams win only with `min_gain` more rows/s and a batch-1 p50 within `latency_allowance_ms`
-    of one stream's: a stream has fewer threads for a lone request, and for a small model that
-    costs nothing (MiniLM: 1.88 ms on one thread, 1.81 on two) while for a convolutional one it
-    does (EfficientNet-Lite0: 8.6 against 5.1 ms)."""
-    rows = dict.fromkeys(runners, 0)
-    wall = dict.fromkeys(runners, 0.0)
-    single: dict[int, list[Sample]] = {n: [] for n in runners}
-    for _ in range(blocks):
-        for streams, run in runners.items():
-            ran, elapsed = _concurrent_block(run, batch, streams, seconds / blocks)
-            rows[streams] += ran
-            wall[streams] += elapsed
-            _timed_block(run, 1, seconds / blocks / 2, single[streams])
-    rate = {n: rows[n] / wall[n] for n in runners}
-    p50 = {n: float(np.percentile([s for s, _ in single[n]], 50)) * 1000 for n in runners}
-    one = min(runners)
-    allowed = [
-        n for n in runners if p50[n] <= p50[one] + latency_allowance_ms and rate[n] >= (1 + min_gain) * rate[one]
-    ]
-    chosen = max(allowed, key=lambda n: rate[n], default=one)
-    measured = ", ".join(f"{n}: {rate[n]:.0f} rows/s, batch 1 p50 {p50[n]:.2f} ms" for n in runners)
-    return chosen, f"{chosen} engine stream(s) at batch {batch} ({measured})"
 
 
 def best_point(points: list[ProfilePoint]) -> ProfilePoint:

@@ -107,9 +107,6 @@ class Serving(Strict):
         default=None, ge=1, description="override; BentoML sheds requests it cannot serve within this"
     )
     max_items_per_request: int = Field(default=64, ge=1)
-    engine_streams: int | None = Field(
-        default=None, ge=1, le=64, description="override the profiled number of batches the engine runs at once"
-    )
     alias: str = Field(
         default=DEFAULT_ALIAS,
         pattern=ALIAS_NAME,

@@ -69,10 +69,9 @@ def batching_text(recipe: Recipe, batching: Batching) -> str:
     tokens = "" if batching.max_batch_tokens is None else f", `max_batch_tokens` {batching.max_batch_tokens}"
     text = (
         f"Batching: `max_batch_size` {batching.max_batch_size}{tokens}, `max_latency_ms` "
-        f"{batching.max_latency_ms}, `engine_streams` {batching.streams}; chosen from the served variant's "
-        f"profile: {batching.reason}."
+        f"{batching.max_latency_ms}; chosen from the served variant's profile: {batching.reason}."
     )
-    caps = recipe.serving.model_dump(include={"max_batch_size", "max_batch_tokens", "max_latency_ms", "engine_streams"})
+    caps = recipe.serving.model_dump(include={"max_batch_size", "max_batch_tokens", "max_latency_ms"})
     overrides = [f"`serving.{field}` {value}" for field, value in caps.items() if value is not None]
     return text + (f" The recipe overrides {', '.join(overrides)}; the manifest serves those." if overrides else "")
 

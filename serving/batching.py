@@ -1,5 +1,4 @@
-"""In-process adaptive batching with admission control: one queue per model, and an engine thread
-per stream of its engine (`Engine.streams`: one, unless the pipeline measured more to pay).
+"""In-process adaptive batching with admission control: one queue and one engine thread per model.
 
 A request is admitted at the door, before its images are decoded or its texts tokenized, only
 if the work already queued ahead of it, at the speed the engine measured on its recent
@@ -11,12 +10,12 @@ when the loop is the bottleneck, it is the preparation that decides. What is adm
 served at full speed instead of waiting for a deadline it was never going to make (Triton's
 queue policy, TEI's bounded queue).
 
-Each engine thread forms its batch itself the moment its previous one returns: the requests
+The engine thread forms each batch itself the moment the previous one returns: the requests
 waiting, in arrival order, up to `max_batch_size` rows and, for text, `max_batch_tokens` padded
 tokens. It never waits for a batch to fill: under load the queue fills while the engine runs,
-and a lone request runs at once, on whichever engine thread is free. Forming batches on the
-engine threads rather than on the event loop keeps the engine busy while the loop is parsing
-HTTP: under load the loop is the busier of the two. Results go back to the loop in one hand-off per batch.
+and a lone request runs at once. Forming batches on the engine thread rather than on the event
+loop keeps the engine busy while the loop is parsing HTTP: under load the loop is the busier
+of the two. Results go back to the loop in one hand-off per batch.
 
 Bulk work (`run_bulk`, behind the bulk task) has a lane of its own at low priority: it is
 never admitted against a deadline and its batches run only while no interactive request
@@ -121,7 +120,8 @@ class _Queue:
     queued_cost: int = 0
     reserved_rows: int = 0
     reserved_cost: float = 0.0
-    running: dict[int, tuple[int, float]] = field(default_factory=dict)  # engine thread → (cost, since)
+    running_cost: int = 0
+    running_since: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -135,21 +135,16 @@ class Batcher(Generic[Rows]):
         limits: BatchLimits,
         metrics: ModelMetrics,
         tokens: bool = False,
-        streams: int = 1,
     ) -> None:
-        """`tokens`: rows are token-id lists and batches are capped by `max_batch_tokens` too.
-        `streams`: batches `predict` runs at once (the engine's streams), one engine thread each."""
-        if streams < 1:
-            raise ValueError(f"streams must be at least 1, not {streams}")
+        """`tokens`: rows are token-id lists and batches are capped by `max_batch_tokens` too."""
         self._predict = predict
         self.limits = limits
         self._metrics = metrics
         self._tokens = tokens
-        self._streams = streams
         self._queue = _Queue()
         self._work = threading.Condition(self._queue.lock)
         self._speed = _Speed(cost_per_row=None if tokens else 1.0)
-        self._threads: list[threading.Thread] = []
+        self._thread: threading.Thread | None = None
         self._closed = False
 
     # --- the loop's side ---------------------------------------------------------------------
@@ -214,14 +209,13 @@ class Batcher(Generic[Rows]):
         return self._queued_seconds(now) + self._queue.reserved_cost * (self._speed.seconds_per_cost or 0.0)
 
     def _queued_seconds(self, now: float) -> float:
-        """Engine time until the running batches and the queue have run, the streams sharing it out
-        (each batch's time is measured on its own stream). Caller holds the lock."""
+        """Engine time until the running batch and the queue have run. Caller holds the lock."""
         per_cost = self._speed.seconds_per_cost
         if per_cost is None:  # nothing measured yet: admit, and learn from the first batch
             return 0.0
         queue = self._queue
-        running_left = sum(max(0.0, since + cost * per_cost - now) for cost, since in queue.running.values())
-        return (running_left + queue.queued_cost * per_cost) / self._streams
+        running_left = max(0.0, queue.running_since + queue.running_cost * per_cost - now) if queue.running_cost else 0
+        return running_left + queue.queued_cost * per_cost
 
     def _refuse(self, error: Refused) -> Refused:
         self._metrics.refused(error.reason)
@@ -302,25 +296,21 @@ class Batcher(Generic[Rows]):
         return rows <= self.limits.max_batch_size and within_tokens
 
     def close(self) -> None:
-        """Let the engine threads end once they have run what they hold. Called when no request uses
-        the batcher any more (a hot swap, serving/lifecycle.py): nothing new arrives, so this never waits."""
+        """Let the engine thread end once it has run what it holds. Called when no request uses the
+        batcher any more (a hot swap, serving/lifecycle.py): nothing new arrives, so this never waits."""
         with self._work:
             self._closed = True
-            self._work.notify_all()
+            self._work.notify()
 
     def _start(self) -> asyncio.AbstractEventLoop:
-        """The engine threads start with the first request, on the loop that serves requests."""
+        """The engine thread starts with the first request, on the loop that serves requests."""
         if self._closed:
             raise RuntimeError(f"the {self._metrics.endpoint} batcher is closed")
         loop = asyncio.get_running_loop()
-        if not self._threads:
+        if self._thread is None:
             name = f"engine-{self._metrics.endpoint}"
-            self._threads = [
-                threading.Thread(target=self._engine, args=(loop, stream), name=f"{name}-{stream}", daemon=True)
-                for stream in range(self._streams)
-            ]
-            for thread in self._threads:
-                thread.start()
+            self._thread = threading.Thread(target=self._engine, args=(loop,), name=name, daemon=True)
+            self._thread.start()
         return loop
 
     def _deliver(self, batch: Sequence[_Pending], outputs: np.ndarray | None, error: BaseException | None) -> None:
@@ -335,7 +325,7 @@ class Batcher(Generic[Rows]):
 
     # --- the engine thread's side ------------------------------------------------------------
 
-    def _engine(self, loop: asyncio.AbstractEventLoop, stream: int) -> None:
+    def _engine(self, loop: asyncio.AbstractEventLoop) -> None:
         rest = 0.0  # after a bulk batch under interactive traffic: as long as it ran
         while True:
             with self._work:
@@ -348,15 +338,11 @@ class Batcher(Generic[Rows]):
                     self._work.wait(rest)  # an interactive request wakes it early
                     now = time.monotonic()
                 if self._queue.pending:
-                    batch, expired = self._take_batch(now, stream)
+                    batch, expired = self._take_batch(now)
                     bulk = False
-                elif self._queue.bulk:
-                    batch, expired = self._take_bulk(now, stream), []
+                else:
+                    batch, expired = self._take_bulk(now), []
                     bulk = True
-                else:  # another engine thread took what woke this one
-                    continue
-                if self._queue.pending:
-                    self._work.notify()  # more than one batch waits: wake another engine thread for it
             for piece in batch if not bulk else ():
                 self._metrics.observe_queue_wait(now - piece.enqueued)
             for piece in expired:
@@ -371,18 +357,18 @@ class Batcher(Generic[Rows]):
             rest = 0.0
             if batch:
                 started = time.perf_counter()
-                loop.call_soon_threadsafe(self._deliver, batch, *self._run_batch(batch, stream))
+                loop.call_soon_threadsafe(self._deliver, batch, *self._run_batch(batch))
                 rest = time.perf_counter() - started if bulk else 0.0
 
-    def _take_bulk(self, now: float, stream: int) -> list[_Pending]:
+    def _take_bulk(self, now: float) -> list[_Pending]:
         """The oldest bulk piece, already cut to one bulk batch. Caller holds the lock."""
         piece = self._queue.bulk.popleft()
         if piece.future.cancelled():
             return []
-        self._queue.running[stream] = (piece.cost, now)
+        self._queue.running_cost, self._queue.running_since = piece.cost, now
         return [piece]
 
-    def _take_batch(self, now: float, stream: int) -> tuple[list[_Pending], list[_Pending]]:
+    def _take_batch(self, now: float) -> tuple[list[_Pending], list[_Pending]]:
         """The waiting requests, oldest first, up to the caps; drops the cancelled and the hopeless.
         Caller holds the lock."""
         queue = self._queue
@@ -405,11 +391,10 @@ class Batcher(Generic[Rows]):
                 continue
             batch.append(piece)
             rows, cost, longest, total = rows + piece.count, cost + piece.cost, grown_longest, grown_total
-        if batch:
-            queue.running[stream] = (cost, now)
+        queue.running_cost, queue.running_since = cost, now
         return batch, expired
 
-    def _run_batch(self, batch: list[_Pending], stream: int) -> tuple[np.ndarray | None, Exception | None]:
+    def _run_batch(self, batch: list[_Pending]) -> tuple[np.ndarray | None, Exception | None]:
         started = time.perf_counter()
         outputs, error, rows = None, None, sum(piece.count for piece in batch)
         try:
@@ -420,7 +405,7 @@ class Batcher(Generic[Rows]):
         elapsed = time.perf_counter() - started
         cost = sum(piece.cost for piece in batch)
         with self._queue.lock:
-            del self._queue.running[stream]
+            self._queue.running_cost = 0
             if error is None:
                 self._speed.observe_batch(elapsed, cost)
         if error is None:

@@ -54,65 +54,38 @@ class EngineSettings:
     """`spin`: let idle intra-op threads busy-wait for the next run. Off by default: the model
     worker shares a few cores with the front's decode threads and the other model worker, and
     spinning threads took their CPU. Measured with `python -m loadtest` on 2 cores, /classify
-    with spinning off served 27-37 % more requests/s at concurrency 1 and 8 (BENCHMARKS.md).
-
-    `streams`: batches the engine runs at once, each on its share of `intra_op_threads`; the
-    batcher then runs as many engine threads (serving/batching.py). Two one-thread streams ran
-    MiniLM INT8 at 748 rows/s where one two-thread stream ran 596 on 2 cores, and at 588 against
-    424 beside a thread busy 40 % of the time, as the front is: a stream that shares its cores
-    waits at every operator for its slowest thread, one thread alone never does. The pipeline
-    measures whether it pays for a model (pipeline/profile.py, `choose_streams`)."""
+    with spinning off served 27-37 % more requests/s at concurrency 1 and 8 (BENCHMARKS.md)."""
 
     intra_op_threads: int
     inter_op_threads: int = 1
     providers: tuple[str, ...] = ()
     spin: bool = False
-    streams: int = 1
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.streams <= self.intra_op_threads:
-            raise ValueError(f"streams must be 1 to intra_op_threads ({self.intra_op_threads}), not {self.streams}")
-
-    @property
-    def threads_per_stream(self) -> int:
-        return self.intra_op_threads // self.streams
 
     @classmethod
-    def from_environment(cls, processes: int = 1, streams: int = 1) -> EngineSettings:
-        threads = default_intra_op_threads(processes)
+    def from_environment(cls, processes: int = 1) -> EngineSettings:
         return cls(
-            intra_op_threads=threads,
+            intra_op_threads=default_intra_op_threads(processes),
             providers=tuple(available_providers()),
             spin=spin_from_environment(),
-            streams=min(streams, threads),
         )
-
-
-def stream_counts(threads: int) -> list[int]:
-    """The stream counts worth timing over `threads` engine threads: one, and powers of two up to
-    them (at most 4: past that a stream's batches get too few threads to keep the latency)."""
-    return [n for n in (1, 2, 4) if n <= threads]
 
 
 class Engine(Protocol):
     input_names: list[str]
     output_names: list[str]
     length_multiple: int  # text batches are padded to a multiple of this many tokens
-    streams: int  # `run` calls it serves at once at full speed, from as many threads
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
 
 class OnnxEngine:
-    """One InferenceSession with named inputs; thread-safe for concurrent `run` calls, each of
-    which gets a stream's share of the intra-op threads."""
+    """One InferenceSession with named inputs; thread-safe for concurrent `run` calls."""
 
     length_multiple = 1  # a shape it has not seen costs it about 3 %: no padding pays for that
 
     def __init__(self, model_path: Path, settings: EngineSettings) -> None:
-        self.streams = settings.streams
         options = ort.SessionOptions()
-        options.intra_op_num_threads = settings.threads_per_stream
+        options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -154,13 +127,11 @@ class OpenVinoEngine:
         import openvino.properties as props
         import openvino.properties.hint as hints
 
-        self.streams = settings.streams
-        mode = hints.PerformanceMode.LATENCY if settings.streams == 1 else hints.PerformanceMode.THROUGHPUT
         config = {
-            props.inference_num_threads: settings.intra_op_threads,  # shared out among the streams
-            hints.performance_mode: mode,
+            props.inference_num_threads: settings.intra_op_threads,
+            hints.performance_mode: hints.PerformanceMode.LATENCY,
             hints.inference_precision: getattr(ov.Type, self.precision),
-            props.num_streams: settings.streams,
+            props.num_streams: 1,
         }
         self.compiled = ov.Core().compile_model(str(model_path), "CPU", config)
         self.input_names = [port.any_name for port in self.compiled.inputs]

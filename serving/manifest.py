@@ -57,7 +57,6 @@ class Route(BaseModel):
     max_batch_tokens: int | None = Field(default=None, ge=1)  # text: padded tokens per engine call
     max_latency_ms: int = Field(ge=1)  # a request's deadline in the server: queue wait plus its batch
     max_items_per_request: int = Field(ge=1)
-    engine_streams: int = Field(default=1, ge=1)  # batches the engine runs at once (serving/engine.py)
 
     @model_validator(mode="after")
     def _sides_are_other_aliases(self) -> Route:

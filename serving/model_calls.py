@@ -86,9 +86,9 @@ def in_process_model(
     `background` (a shadow, serving/shadow.py): one intra-op thread, the engine thread's own, at
     the lowest CPU priority, so that it takes only the cores the answers leave idle; at normal
     priority (one thread too) it slowed /embed's p50 at concurrency 1 by 24 %."""
-    settings = EngineSettings.from_environment(processes=processes, streams=route.engine_streams)
+    settings = EngineSettings.from_environment(processes=processes)
     if background:
-        settings = dataclasses.replace(settings, intra_op_threads=1, streams=1)
+        settings = dataclasses.replace(settings, intra_op_threads=1)
     runtime = load_runtime(
         endpoint,
         stored,
@@ -104,8 +104,7 @@ def in_process_model(
     )
     metrics = ModelMetrics(endpoint=endpoint, model=str(stored.tag))
     predict = at_lowest_priority(runtime.predict) if background else runtime.predict
-    streams = runtime.engine.streams
-    return Batcher(predict, limits=limits, metrics=metrics, tokens=endpoint == "embed", streams=streams)
+    return Batcher(predict, limits=limits, metrics=metrics, tokens=endpoint == "embed")
 
 
 def at_lowest_priority(predict: Callable[[Any], np.ndarray]) -> Callable[[Any], np.ndarray]:

@@ -15,7 +15,7 @@ from pipeline.build import BuildResult, build
 from pipeline.datasets import photo_split
 from pipeline.recipe import load_recipe
 from sample_inputs import sample_photos
-from serving.engine import EngineSettings, open_engine, stream_counts
+from serving.engine import EngineSettings, open_engine
 from serving.manifest import ServingManifest, read_manifest, write_manifest
 from serving.model_runtime import engine_of, read_spec
 from serving.model_spec import ONNX_FILE
@@ -39,13 +39,8 @@ def test_openvino_gives_onnx_runtimes_probabilities_on_real_photos(built_models,
     assert (ov_out.argmax(axis=1) == ort_out.argmax(axis=1)).all()
 
 
-@pytest.mark.parametrize(("engine_name", "streams"), [("openvino", 1), ("openvino", 2), ("onnxruntime", 2)])
-def test_an_engine_answers_each_calling_thread_with_its_own_rows(
-    built_models, photos: np.ndarray, engine_name: str, streams: int
-) -> None:
-    settings = EngineSettings(2, streams=streams)
-    engine = open_engine(engine_name, fp32_export(built_models["image-classifier"]), settings)
-    assert engine.streams == streams
+def test_openvino_answers_each_calling_thread_with_its_own_rows(built_models, photos: np.ndarray) -> None:
+    engine = open_engine("openvino", fp32_export(built_models["image-classifier"]), EngineSettings(1))
     name = engine.input_names[0]
     alone = [engine.run({name: photos[i : i + 1]})[engine.output_names[0]] for i in range(len(photos))]
     with ThreadPoolExecutor(4) as pool:
@@ -54,14 +49,6 @@ def test_an_engine_answers_each_calling_thread_with_its_own_rows(
         )
     for one, other in zip(alone, together, strict=True):
         np.testing.assert_array_equal(one, other)
-
-
-def test_streams_share_out_the_engine_threads_and_cannot_outnumber_them() -> None:
-    assert EngineSettings(4, streams=2).threads_per_stream == 2
-    assert EngineSettings.from_environment(streams=64).streams <= EngineSettings.from_environment().intra_op_threads
-    with pytest.raises(ValueError, match=r"streams must be 1 to intra_op_threads \(1\), not 2"):
-        EngineSettings(1, streams=2)
-    assert stream_counts(1) == [1] and stream_counts(2) == [1, 2] and stream_counts(16) == [1, 2, 4]
 
 
 def test_an_unknown_engine_is_named_with_the_known_ones(built_models) -> None:

@@ -215,13 +215,10 @@ def test_manifest_routes_carry_the_token_cap_and_recipe_overrides(
     assert manifest.embed.max_batch_tokens == built_models["text-embedder"].batching.max_batch_tokens
     assert manifest.classify.max_batch_tokens is None
     loaded = default_recipes["text-embedder"]
-    assert manifest.embed.engine_streams == built_models["text-embedder"].batching.streams
-    serving = loaded.recipe.serving.model_copy(
-        update={"max_batch_tokens": 700, "max_batch_size": 32, "engine_streams": 3}
-    )
+    serving = loaded.recipe.serving.model_copy(update={"max_batch_tokens": 700, "max_batch_size": 32})
     overridden = loaded.model_copy(update={"recipe": loaded.recipe.model_copy(update={"serving": serving})})
     route = built_models["text-embedder"].route(overridden)
-    assert (route.max_batch_size, route.max_batch_tokens, route.engine_streams) == (32, 700, 3)
+    assert (route.max_batch_size, route.max_batch_tokens) == (32, 700)
 
 
 def test_report_shows_the_caps_and_why(

@@ -404,36 +404,3 @@ def test_images_are_batched_by_rows_only() -> None:
 
     points = [ProfilePoint(batch_size=b, p50_ms=b, p99_ms=b, throughput=1000) for b in (1, 2, 4)]
     assert choose_batching(points, slo_ms=1000).max_batch_tokens is None
-
-
-def sleeping_runner(seconds_per_call: float, seconds_at_batch_1: float | None = None):
-    """A runner whose calls take fixed times and release the GIL, like an engine's."""
-    import time
-
-    def run(batch: int) -> None:
-        time.sleep(seconds_at_batch_1 if batch == 1 and seconds_at_batch_1 is not None else seconds_per_call)
-
-    return run
-
-
-def test_more_engine_streams_are_chosen_only_when_they_pay_without_costing_a_lone_request() -> None:
-    from pipeline.profile import choose_streams
-
-    one = sleeping_runner(0.01)
-    parallel = sleeping_runner(0.01)  # two callers at once: twice the rows per second
-    slow_alone = sleeping_runner(0.01, seconds_at_batch_1=0.015)  # a stream has fewer threads for one row
-    serial = sleeping_runner(0.02)  # two callers, each twice as slow: no gain
-
-    streams, why = choose_streams({1: one, 2: parallel}, 8, seconds=0.4)
-    assert streams == 2 and why.startswith("2 engine stream(s) at batch 8 (1: ")
-    assert choose_streams({1: one, 2: slow_alone}, 8, seconds=0.4)[0] == 1
-    assert choose_streams({1: one, 2: serial}, 8, seconds=0.4)[0] == 1
-
-
-def test_the_build_records_the_engine_streams_it_measured(tiny_text: BuildResult) -> None:
-    from serving.engine import EngineSettings, stream_counts
-
-    batching = tiny_text.batching
-    assert batching.streams in stream_counts(EngineSettings.from_environment().intra_op_threads)
-    assert f"{batching.streams} engine stream(s) at batch {batching.max_batch_size} (1: " in batching.reason
-    assert tiny_text.model.info.metadata["batching"]["streams"] == batching.streams
