@@ -35,6 +35,7 @@ from serving.schemas import (
     EmbedResponse,
 )
 from serving.settings import front_workers
+from serving.tracing import RequestTracing
 
 manifest = load_manifest()
 classify_route, embed_route = manifest.classify, manifest.embed
@@ -106,5 +107,6 @@ class Optiserve:
         return await api.answer(ctx, api.embed_bulk, self)
 
 
+Optiserve.add_asgi_middleware(RequestTracing)  # the outermost of ours: refusals at the door carry its headers too
 Optiserve.add_asgi_middleware(Door, guards=door_guards, pacer=refusal_pacer)
 Optiserve.add_asgi_middleware(AmendedOpenAPI, service=Optiserve)

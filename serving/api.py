@@ -48,6 +48,7 @@ from serving.metrics import count_error
 from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
 from serving.settings import body_timeout_s
 from serving.shadow import shadowing
+from serving.tracing import REQUEST_ID_HEADER, timed
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,6 @@ MAX_BULK_BODY_BYTES = 64 * 1024 * 1024
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
-REQUEST_ID_HEADER = "X-Request-ID"  # picks the canary and shadow shares: a retry lands where its first try did
 MODEL_TAG_HEADER = "X-Model-Tag"  # the stored model that produced the answer, as its body's `model`
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
 INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
@@ -200,20 +200,22 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, refused as soon as it passes `limit` bytes, declared or chunked."""
     check_declared_length(request, limit)
     chunks, size = [], 0
-    async with arriving_in_time():
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise InputTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
+    with timed("read"):
+        async with arriving_in_time():
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise InputTooLarge(f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
     return b"".join(chunks)
 
 
 async def read_form(request: Request, *, max_files: int, hint: str = "") -> FormData:
     """The form, parsed by Starlette, whose malformed-body errors get our statuses."""
     try:
-        async with arriving_in_time():
-            return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
+        with timed("read"):
+            async with arriving_in_time():
+                return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
     except (HTTPException, MultiPartException) as exc:
         message = exc.detail if isinstance(exc, HTTPException) else exc.message
         if message.startswith("Too many files"):
@@ -283,6 +285,7 @@ def door_guards(front: Front) -> dict[str, Guard]:
 
 
 def request_id(request: Request) -> str | None:
+    """The client's id, which picks the canary and shadow shares: a retry lands where its first try did."""
     return request.headers.get(REQUEST_ID_HEADER)
 
 

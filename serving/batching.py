@@ -42,6 +42,7 @@ import numpy as np
 from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull, Refused
 from serving.metrics import ModelMetrics
 from serving.text import padded_tokens_bound
+from serving.tracing import RequestTrace, current_trace
 
 Rows = TypeVar("Rows", np.ndarray, list)
 # Weight of the newest batch in the running estimates: about the last ten batches count.
@@ -74,6 +75,7 @@ class _Pending:
     deadline: float
     enqueued: float
     future: asyncio.Future
+    trace: RequestTrace | None = None  # the caller's, given its queue wait and its batch's time
 
 
 @dataclass
@@ -268,7 +270,7 @@ class Batcher(Generic[Rows]):
         else:
             longest = tokens = 0
         cost = self._cost(len(rows), longest, tokens)
-        return _Pending(rows, len(rows), cost, longest, tokens, deadline, now, loop.create_future())
+        return _Pending(rows, len(rows), cost, longest, tokens, deadline, now, loop.create_future(), current_trace())
 
     def _split(self, rows: Rows, *, cost_cap: int | None = None) -> list[Rows]:
         """Consecutive parts that each fit one batch, and `cost_cap` if given (a single over-long
@@ -345,6 +347,8 @@ class Batcher(Generic[Rows]):
                     bulk = True
             for piece in batch if not bulk else ():
                 self._metrics.observe_queue_wait(now - piece.enqueued)
+                if piece.trace is not None:
+                    piece.trace.add("queue", now - piece.enqueued)
             for piece in expired:
                 error = self._refuse(
                     DeadlineExpired(
@@ -403,6 +407,9 @@ class Batcher(Generic[Rows]):
             error = InferenceFailed(f"the {self._metrics.endpoint} engine failed on a batch of {rows} rows")
             error.__cause__ = exc
         elapsed = time.perf_counter() - started
+        for piece in batch:
+            if piece.trace is not None:
+                piece.trace.add("infer", elapsed)
         cost = sum(piece.cost for piece in batch)
         with self._queue.lock:
             self._queue.running_cost = 0

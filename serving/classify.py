@@ -23,6 +23,7 @@ from serving.model_runtime import read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
 from serving.monitoring import ModelMonitor
 from serving.schemas import Prediction
+from serving.tracing import timed
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,10 @@ class ImageClassifier:
     ) -> list[list[Prediction]]:
         if top_k < 1:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
-        prepared = await asyncio.gather(
-            *(anyio.to_thread.run_sync(prepare_sized_image, upload, self.spec) for upload in uploads)
-        )
+        with timed("decode"):
+            prepared = await asyncio.gather(
+                *(anyio.to_thread.run_sync(prepare_sized_image, upload, self.spec) for upload in uploads)
+            )
         pixels, started = np.stack([image for image, _ in prepared]), time.perf_counter()
         probabilities = await self.model.run(pixels, admission)
         if observe is not None:

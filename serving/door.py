@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serving.errors import InvalidInput, Refused
 from serving.metrics import count_held_refusal
 from serving.settings import refusals_per_s
+from serving.tracing import REQUEST_ID_KEY
 
 DEADLINE_HEADER = "X-Deadline-Ms"
 DEADLINE_HEADER_KEY = DEADLINE_HEADER.lower().encode()
@@ -44,8 +45,6 @@ MAX_DEADLINE_MS = 600_000
 DRAIN_LIMIT_BYTES = 1024 * 1024
 # A refusal is never held longer than this: past it, a backlog of refusals is answered as it comes.
 MAX_HOLD_S = 5.0
-
-REQUEST_ID_KEY = b"x-request-id"
 
 # The refusal a model endpoint's queue gives now (None: let the request in), for the client's
 # deadline in milliseconds and the request's id (its side of a canary split), if it sent them.

@@ -17,6 +17,7 @@ from serving.model_runtime import read_spec
 from serving.model_spec import TOKENIZER_FILE
 from serving.monitoring import ModelMonitor
 from serving.text import TextTokenizer, check_text_batch
+from serving.tracing import timed
 
 # Texts up to this many characters in all are tokenized on the event loop: about 35 µs per short
 # sentence, less than a hand-off to a worker thread and back costs; longer inputs (1.4 ms for
@@ -69,10 +70,11 @@ class TextEmbedder:
         before tokenizing."""
         check_text_batch(texts, max_items=self.max_items_per_request)
         with self.model.admit(len(texts), timeout_ms=timeout_ms) as admission:
-            if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
-                ids = self.tokenizer.encode(texts, truncate=truncate)
-            else:
-                ids = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(texts, truncate=truncate))
+            with timed("tokenize"):
+                if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
+                    ids = self.tokenizer.encode(texts, truncate=truncate)
+                else:
+                    ids = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(texts, truncate=truncate))
             started = time.perf_counter()
             embeddings = await self.model.run(ids, admission)
         if observe is not None:

@@ -1,0 +1,78 @@
+"""Every answer names its request (`X-Request-ID`) and says where its time went (`Server-Timing`)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from sample_inputs import sample_photos
+from serving.tracing import sane_request_id
+
+JPEG = {"Content-Type": "image/jpeg"}
+GENERATED = re.compile(r"[0-9a-f]{32}")
+
+
+def timings(response: httpx.Response) -> dict[str, float]:
+    """Server-Timing's steps in milliseconds, in the order the header gives them."""
+    found = {}
+    for entry in response.headers["server-timing"].split(","):
+        name, duration = entry.strip().split(";dur=")
+        found[name] = float(duration)
+    return found
+
+
+@pytest.mark.parametrize("sent", ["abc-123", "trace:7f.2_b", "x" * 128])
+def test_a_sane_client_id_is_kept(sent: str) -> None:
+    assert sane_request_id(sent) == sent
+
+
+@pytest.mark.parametrize("sent", [None, "", "has space", "x" * 129, "id\r\nSet-Cookie: a=b", "naïve"])
+def test_a_missing_or_insane_client_id_is_replaced_by_a_new_one(sent: str | None) -> None:
+    assert GENERATED.fullmatch(sane_request_id(sent))
+    assert sane_request_id(sent) != sane_request_id(sent)
+
+
+@pytest.mark.slow
+def test_every_answer_carries_the_clients_id_or_a_generated_one(server) -> None:
+    with server.client() as client:
+        kept = client.post("/embed", json={"texts": ["hello"]}, headers={"X-Request-ID": "order-42"})
+        replaced = client.post("/embed", json={"texts": ["hello"]}, headers={"X-Request-ID": "two words"})
+        first, second = (client.post("/embed", json={"texts": ["hello"]}) for _ in range(2))
+        assert client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG).status_code == 200
+        others = [  # the last is refused: the engine's speed is measured, and one photo takes over 1 ms
+            client.get("/livez"),
+            client.get("/no-such-path"),
+            client.post("/embed", content=b"{not json", headers={"Content-Type": "application/json"}),
+            client.post("/classify", content=b"not an image", headers=JPEG),
+            client.post("/classify", content=sample_photos()["chelsea"], headers={**JPEG, "X-Deadline-Ms": "1"}),
+        ]
+    assert kept.status_code == 200 and kept.headers["x-request-id"] == "order-42"
+    assert GENERATED.fullmatch(replaced.headers["x-request-id"])
+    assert (
+        GENERATED.fullmatch(first.headers["x-request-id"])
+        and first.headers["x-request-id"] != second.headers["x-request-id"]
+    )
+    assert [r.status_code for r in others] == [200, 404, 422, 422, 503]
+    for response in others:
+        assert GENERATED.fullmatch(response.headers["x-request-id"]), response.request.url
+        assert list(timings(response))[-1] == "total"
+
+
+@pytest.mark.slow
+def test_server_timing_breaks_an_embedding_and_a_classification_into_their_steps(server) -> None:
+    with server.client() as client:
+        embedded = client.post("/embed", json={"texts": ["The quick brown fox jumps over the lazy dog."]})
+        classified = client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG)
+    assert embedded.status_code == classified.status_code == 200
+    for response, steps in (
+        (embedded, ["read", "tokenize", "queue", "infer", "total"]),
+        (classified, ["read", "decode", "queue", "infer", "total"]),
+    ):
+        found = timings(response)
+        assert list(found) == steps, response.headers["server-timing"]
+        assert all(ms >= 0 for ms in found.values())
+        assert found["infer"] > 0
+        # The steps follow one another within the request: together they fit in its total.
+        assert sum(ms for step, ms in found.items() if step != "total") <= found["total"] + 0.05
