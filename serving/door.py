@@ -2,7 +2,7 @@
 
 Admission in the handler (serving/batching.py `admit`) protects the engine, but a request gets
 there only after BentoML's middleware and Starlette's routing and, for /embed, its JSON. `Door`,
-the first middleware a service may add, answers a model endpoint's request at once when the
+the first middleware after `serving/tracing.py`'s, answers a model endpoint's request at once when the
 model's queue alone rules it out (full, or more work ahead than the deadline allows), before
 the rest of the app sees it. A request it lets through is judged again, with its own size, by
 `admit`.
