@@ -47,7 +47,10 @@ ImageModel = model_service("ImageModel", "classify", classify_route)  # None unl
 TextModel = model_service("TextModel", "embed", embed_route)
 
 
-@bentoml.service(name="optiserve", workers=front_workers(), traffic={"timeout": 120})
+# BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG).
+@bentoml.service(
+    name="optiserve", workers=front_workers(), traffic={"timeout": 120}, logging={"access": {"enabled": False}}
+)
 class Optiserve:
     """Image classification and text embedding, each from a stored, measured ONNX model."""
 

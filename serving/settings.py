@@ -46,6 +46,12 @@ def refusals_per_s() -> float:
     return float(os.environ.get("OPTISERVE_REFUSALS_PER_S", "50"))
 
 
+def access_log_enabled() -> bool:
+    """One JSON line per request on stderr (serving/tracing.py), in place of BentoML's access log;
+    `OPTISERVE_ACCESS_LOG=0` turns it off."""
+    return os.environ.get("OPTISERVE_ACCESS_LOG", "1") != "0"
+
+
 def monitoring_enabled() -> bool:
     """Prediction and input monitoring (serving/monitoring.py); `OPTISERVE_MONITORING=0` turns it off."""
     return os.environ.get("OPTISERVE_MONITORING", "1") != "0"

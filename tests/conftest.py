@@ -92,6 +92,7 @@ def manifest_file(
 class RunningServer:
     url: str
     process: subprocess.Popen
+    log: Path  # its stdout and stderr
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)
@@ -102,7 +103,7 @@ def serving(manifest_file: Path, log: Path, **env: str) -> Iterator[RunningServe
     """A real `bentoml serve` of service.py on a free port, over the test store."""
     env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_file), **env}
     with on_free_port(OPTISERVE, env=env, cwd=REPO, log=log) as started:
-        yield RunningServer(started.url, started.process)
+        yield RunningServer(started.url, started.process, log)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
+import time
+from datetime import datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -76,3 +80,40 @@ def test_server_timing_breaks_an_embedding_and_a_classification_into_their_steps
         assert found["infer"] > 0
         # The steps follow one another within the request: together they fit in its total.
         assert sum(ms for step, ms in found.items() if step != "total") <= found["total"] + 0.05
+
+
+def access_lines(log: Path, request_id: str) -> list[dict]:
+    """The access log's JSON lines for one request id, waiting a little for them to be written."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = []
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("{") and f'"request_id":"{request_id}"' in line:
+                found.append(json.loads(line))
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_each_request_is_one_json_line_in_the_access_log(server) -> None:
+    with server.client() as client:
+        embedded = client.post("/embed", json={"texts": ["hello"]}, headers={"X-Request-ID": "log-embed-1"})
+        missing = client.get("/no-such-path", headers={"X-Request-ID": "log-404-1"})
+    assert embedded.status_code == 200 and missing.status_code == 404
+
+    (line,) = access_lines(server.log, "log-embed-1")
+    assert (line["method"], line["path"], line["status"], line["model"]) == (
+        "POST",
+        "/embed",
+        200,
+        embedded.json()["model"],
+    )
+    assert list(line["ms"]) == [*timings(embedded)]  # the same steps as the answer's Server-Timing
+    assert line["ms"]["total"] >= timings(embedded)["total"]  # to the last byte, the header's to the first
+    assert re.fullmatch(r"[0-9a-f]{32}", line["trace_id"])
+    assert datetime.fromisoformat(line["time"]).tzinfo is not None
+    (other,) = access_lines(server.log, "log-404-1")
+    assert (other["path"], other["status"], other["model"]) == ("/no-such-path", 404, None)
+    log = server.log.read_text(errors="replace")
+    assert "path=/embed" not in log, "BentoML's own access line is still written beside ours"
