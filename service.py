@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from serving import api
 from serving.aliases import aliases_path
+from serving.cache import ResponseCache
 from serving.classify import ImageClassifier
 from serving.door import Door, Guard, RefusalPacer
 from serving.embed import TextEmbedder
@@ -63,6 +64,11 @@ class Optiserve:
     refusal_pacer = refusal_pacer
 
     def __init__(self) -> None:
+        self.caches = {
+            endpoint: cache
+            for endpoint, route in (("classify", classify_route), ("embed", embed_route))
+            if route is not None and (cache := ResponseCache.of_megabytes(route.cache_mb, endpoint=endpoint))
+        }
         # A canary or a shadow joins once the alias watcher has loaded it, within seconds of the start.
         if classify_route is not None:
             front = open_front("classify", self.image_stored, classify_route, self.image_model)

@@ -55,6 +55,7 @@ class BuildResult:
             max_batch_tokens=serving.max_batch_tokens or self.batching.max_batch_tokens,
             max_latency_ms=serving.max_latency_ms or self.batching.max_latency_ms,
             max_items_per_request=serving.max_items_per_request,
+            cache_mb=serving.cache_mb,
         )
 
 

@@ -107,6 +107,9 @@ class Serving(Strict):
         default=None, ge=1, description="override; BentoML sheds requests it cannot serve within this"
     )
     max_items_per_request: int = Field(default=64, ge=1)
+    cache_mb: float | None = Field(
+        default=None, gt=0, description="a response cache of this many MB per front worker; off when absent"
+    )
     alias: str = Field(
         default=DEFAULT_ALIAS,
         pattern=ALIAS_NAME,

@@ -29,6 +29,7 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from serving.cache import ResponseCache, cache_key
 from serving.classify import ImageClassifier, ImageUpload
 from serving.door import DEADLINE_HEADER, Guard, RefusalPacer, parse_deadline_ms
 from serving.embed import TextEmbedder, encode_base64_f16
@@ -61,6 +62,7 @@ class Front(Protocol):
     classifier: Split[ImageClassifier] | None
     embedder: Split[TextEmbedder] | None
     refusal_pacer: RefusalPacer | None  # shared with serving/door.py
+    caches: dict[str, ResponseCache]  # by endpoint, where its route has one (serving/cache.py)
 
 
 MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
@@ -70,6 +72,7 @@ FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
 MODEL_TAG_HEADER = "X-Model-Tag"  # the stored model that produced the answer, as its body's `model`
+CACHE_HEADER = "X-Cache"  # `hit` or `miss`, on the answers of an endpoint with a response cache
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
 INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
 
@@ -77,6 +80,34 @@ INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "
 LEASED_TAG: ContextVar[str | None] = ContextVar("leased_tag", default=None)
 
 Answer = TypeVar("Answer", bound=BaseModel)  # each names its `model`
+
+
+@dataclass(frozen=True)
+class CachedAnswer:
+    """An answer as the JSON bytes a response cache keeps: served from it (`hit`) or just put in."""
+
+    body: bytes
+    model: str
+    hit: bool
+
+    def response(self) -> Response:
+        headers = {MODEL_TAG_HEADER: self.model, CACHE_HEADER: "hit" if self.hit else "miss"}
+        return Response(self.body, media_type="application/json", headers=headers)
+
+
+def recalled(cache: ResponseCache | None, key: bytes, model: str) -> CachedAnswer | None:
+    """The answer `cache` holds for `key`, if it has one."""
+    body = None if cache is None else cache.get(key)
+    return None if body is None else CachedAnswer(body, model, hit=True)
+
+
+def remembered(cache: ResponseCache | None, key: bytes, result: Answer) -> Answer | CachedAnswer:
+    """`result`, kept in `cache` under `key` where there is a cache."""
+    if cache is None:
+        return result
+    body = result.model_dump_json().encode()
+    cache.put(key, body)
+    return CachedAnswer(body, result.model, hit=False)
 
 
 @dataclass(frozen=True)
@@ -94,6 +125,8 @@ async def answer(
     context: both go there."""
     try:
         result = await endpoint(front, UNREAD_REQUEST.get())
+        if isinstance(result, CachedAnswer):
+            return result.response()
     except Refused as exc:
         if front.refusal_pacer is not None:
             await front.refusal_pacer.pace()
@@ -306,27 +339,39 @@ async def read_images(request: Request, field: str, *, max_files: int, hint: str
     return uploads, resolve_top_k(request, form)
 
 
-async def classify(front: Front, request: Request) -> ClassifyResponse:
+def images_key(tag: str, api: str, uploads: list[ImageUpload], top_k: int) -> bytes:
+    return cache_key(tag, api.encode(), str(top_k).encode(), *(upload.data for upload in uploads))
+
+
+async def classify(front: Front, request: Request) -> ClassifyResponse | CachedAnswer:
+    cache = front.caches.get("classify")
     with (
         leased(front.classifier, "image-classification", request) as images,
         images.admit(1, timeout_ms=client_deadline_ms(request)) as admission,  # before the upload is read
     ):
         uploads, top_k = await read_images(request, "image", max_files=1, hint=": send several to /classify_batch")
+        key = images_key(images.tag, "classify", uploads, top_k) if cache else b""
+        if (hit := recalled(cache, key, images.tag)) is not None:
+            return hit
         (predictions,) = await images.classify(
             uploads, top_k, admission, shadowing(front.classifier, "classify", images.tag, request_id(request))
         )
-    return ClassifyResponse(model=images.tag, predictions=predictions)
+    return remembered(cache, key, ClassifyResponse(model=images.tag, predictions=predictions))
 
 
-async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse:
+async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse | CachedAnswer:
+    cache = front.caches.get("classify")
     with leased(front.classifier, "image-classification", request) as images:
         deadline_ms = client_deadline_ms(request)
         uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
+        key = images_key(images.tag, "classify_batch", uploads, top_k) if cache else b""
+        if (hit := recalled(cache, key, images.tag)) is not None:
+            return hit
         with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
             results = await images.classify(
                 uploads, top_k, admission, shadowing(front.classifier, "classify", images.tag, request_id(request))
             )
-    return ClassifyBatchResponse(model=images.tag, results=results)
+    return remembered(cache, key, ClassifyBatchResponse(model=images.tag, results=results))
 
 
 async def embed_request(request: Request, limit: int) -> EmbedRequest:
@@ -336,13 +381,17 @@ async def embed_request(request: Request, limit: int) -> EmbedRequest:
     return EmbedRequest.model_validate_json(await read_body(request, limit))
 
 
-async def embed(front: Front, request: Request) -> EmbedResponse:
+async def embed(front: Front, request: Request) -> EmbedResponse | CachedAnswer:
+    cache = front.caches.get("embed")
     with leased(front.embedder, "text-embedding", request) as texts:
         deadline_ms = client_deadline_ms(request)
         body = await embed_request(request, MAX_EMBED_BODY_BYTES)
+        key = cache_key(texts.tag, body.model_dump_json().encode()) if cache else b""  # texts and options, parsed
+        if (hit := recalled(cache, key, texts.tag)) is not None:
+            return hit
         observe = shadowing(front.embedder, "embed", texts.tag, request_id(request))
         vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms, observe=observe)
-    return embed_response(texts, body, vectors, tokens)
+    return remembered(cache, key, embed_response(texts, body, vectors, tokens))
 
 
 async def embed_bulk(front: Front, request: Request) -> EmbedResponse:

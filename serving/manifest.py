@@ -57,6 +57,7 @@ class Route(BaseModel):
     max_batch_tokens: int | None = Field(default=None, ge=1)  # text: padded tokens per engine call
     max_latency_ms: int = Field(ge=1)  # a request's deadline in the server: queue wait plus its batch
     max_items_per_request: int = Field(ge=1)
+    cache_mb: float | None = Field(default=None, gt=0)  # a response cache per front worker (serving/cache.py)
 
     @model_validator(mode="after")
     def _sides_are_other_aliases(self) -> Route:

@@ -27,6 +27,9 @@ latency:
 - `optiserve_model_swaps_total{endpoint, outcome}`: alias changes the service followed
   (`swapped`) or refused (`refused`: the version is missing, tampered or failed to load), so a
   deployment tool can wait for a promote to take effect (serving/lifecycle.py).
+- `optiserve_cache_lookups_total{endpoint, result}` (`hit`, `miss`), `optiserve_cache_evictions_total{endpoint}`
+  and `optiserve_cache_bytes{endpoint}` (answers held, summed over the workers): a route's
+  response cache, where it has one (serving/cache.py).
 - per pair of models (`endpoint`, `primary`, `shadow`), shadow traffic (serving/shadow.py):
   `optiserve_shadow_total{outcome}` (requests `compared`, `dropped` while the shadow was busy,
   `failed`), `optiserve_shadow_similarity{measure}` per row (`top1_agreement` 1 or 0 and
@@ -62,6 +65,9 @@ SWAPS_METRIC = "optiserve_model_swaps"
 SHADOW_METRIC = "optiserve_shadow"
 SIMILARITY_METRIC = "optiserve_shadow_similarity"
 SHADOW_SECONDS_METRIC = "optiserve_shadow_model_seconds"
+CACHE_LOOKUPS_METRIC = "optiserve_cache_lookups"
+CACHE_EVICTIONS_METRIC = "optiserve_cache_evictions"
+CACHE_BYTES_METRIC = "optiserve_cache_bytes"
 PAIR = ("endpoint", "primary", "shadow")
 # Agreement is 0 or 1, score differences near 0, cosines near 1: both ends resolved.
 SIMILARITY_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.5, 0.9, 0.95, 0.99, 0.999, 0.9999, 1.0)
@@ -83,12 +89,15 @@ class Instruments:
     shadow: Any
     similarity: Any
     shadow_seconds: Any
+    cache_lookups: Any
+    cache_evictions: Any
+    cache_bytes: Any
 
 
 @cache
 def instruments() -> Instruments:
     """The instruments, registered once per process on first use (see the module docstring)."""
-    from prometheus_client import Counter, Histogram
+    from prometheus_client import Counter, Gauge, Histogram
 
     return Instruments(
         queue=Histogram(
@@ -113,6 +122,11 @@ def instruments() -> Instruments:
             "Model call of each side of a shadowed request",
             (*PAIR, "side"),
             buckets=SECONDS_BUCKETS,
+        ),
+        cache_lookups=Counter(CACHE_LOOKUPS_METRIC, "Response cache lookups by result", ("endpoint", "result")),
+        cache_evictions=Counter(CACHE_EVICTIONS_METRIC, "Answers the response cache let go for room", ("endpoint",)),
+        cache_bytes=Gauge(
+            CACHE_BYTES_METRIC, "Bytes of answers the response cache holds", ("endpoint",), multiprocess_mode="livesum"
         ),
     )
 
@@ -182,3 +196,23 @@ class ShadowMetrics:
                 series.observe(float(value))
         for side, value in seconds.items():
             self._found.shadow_seconds.labels(**self._pair, side=side).observe(value)
+
+
+class CacheMetrics:
+    """The series of one endpoint's response cache."""
+
+    def __init__(self, *, endpoint: str) -> None:
+        found = instruments()
+        self._hits = found.cache_lookups.labels(endpoint=endpoint, result="hit")
+        self._misses = found.cache_lookups.labels(endpoint=endpoint, result="miss")
+        self._evictions = found.cache_evictions.labels(endpoint=endpoint)
+        self._bytes = found.cache_bytes.labels(endpoint=endpoint)
+
+    def lookup(self, *, hit: bool) -> None:
+        (self._hits if hit else self._misses).inc()
+
+    def evicted(self) -> None:
+        self._evictions.inc()
+
+    def held(self, size: int) -> None:
+        self._bytes.set(size)
