@@ -9,7 +9,7 @@ SERVED_RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
 RECIPES ?= $(SERVED_RECIPES) $(filter-out $(SERVED_RECIPES),$(wildcard models/*.yaml))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk bench-monitoring bench-swap fuzz soak
+.PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk bench-priorities bench-monitoring bench-swap fuzz soak
 
 setup: $(VENV)/.installed
 
@@ -66,6 +66,10 @@ bench-overload: setup
 # A bulk task of 5 000 texts beside interactive /embed requests: their p99 during the task vs unloaded.
 bench-bulk: setup
 	$(PY) -m bench.bulk $(BENCH_ARGS)
+
+# Normal /embed requests beside a flood of low-priority ones.
+bench-priorities: setup
+	$(PY) -m bench.priorities $(BENCH_ARGS)
 
 # Throughput at the knee with monitoring on and off, alternated over three rounds (wrk).
 bench-monitoring: setup

@@ -27,13 +27,11 @@ P99_WITHIN = 1.5  # × the unloaded p99
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.bulk", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--manifest", type=Path, help="serve this manifest's models (default: build both recipes)")
+    from bench.serving import phased_parser
+
+    parser = phased_parser("python -m bench.bulk", __doc__, "interactive clients")
     parser.add_argument("--texts", type=int, default=5000, help="texts in the bulk task")
-    parser.add_argument("--concurrency", type=int, default=1, help="interactive clients")
     parser.add_argument("--encoding", choices=("float", "base64"), default="float", help="the bulk answer's format")
-    parser.add_argument("--unloaded-s", type=float, default=15.0)
-    parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
     return parser.parse_args(argv)
 
 

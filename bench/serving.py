@@ -521,6 +521,17 @@ def verdict_text(verdict: dict[str, Any], leave_out: tuple[str, ...] = ()) -> st
     return f"{shown} → {'[green]met[/green]' if verdict['met'] else '[red]missed[/red]'}"
 
 
+def phased_parser(prog: str, doc: str, clients: str) -> argparse.ArgumentParser:
+    """The options of a bench in phases (unloaded, beside something, unloaded again) over one
+    served manifest: bench/bulk.py and bench/priorities.py."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser.add_argument("--manifest", type=Path, help="serve this manifest's models (default: build both recipes)")
+    parser.add_argument("--concurrency", type=int, default=1, help=clients)
+    parser.add_argument("--unloaded-s", type=float, default=15.0)
+    parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
+    return parser
+
+
 def phase_figures(recorder: Any, start: float, end: float) -> dict[str, Any]:
     """Requests that finished in [start, end) of a `loadtest.stats.Recorder`: how many, the failed
     by status, the latency of the others (the benches that run phases under one load share it)."""

@@ -73,6 +73,8 @@ MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
 MODEL_TAG_HEADER = "X-Model-Tag"  # the stored model that produced the answer, as its body's `model`
 CACHE_HEADER = "X-Cache"  # `hit` or `miss`, on the answers of an endpoint with a response cache
+PRIORITY_HEADER = "X-Priority"  # `low` or `normal` (default); also the query parameter `priority`
+PRIORITIES = ("normal", "low")
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
 INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
 
@@ -289,6 +291,14 @@ def client_deadline_ms(request: Request) -> float | None:
     return parse_deadline_ms(request.headers.get(DEADLINE_HEADER))
 
 
+def low_priority(request: Request) -> bool:
+    """Whether the client asked for low priority, in the X-Priority header or the `priority` query."""
+    value = request.headers.get(PRIORITY_HEADER, request.query_params.get("priority", "normal"))
+    if value not in PRIORITIES:
+        raise InvalidInput(f"{PRIORITY_HEADER} (or the query's priority) must be 'normal' or 'low', got {value!r}")
+    return value == "low"
+
+
 def resolve_top_k(request: Request, form: dict[str, str]) -> int:
     """top_k from the query string, else the form (BentoML's clients send it JSON-encoded: the same digits)."""
     raw = request.query_params.get("top_k", form.get("top_k"))
@@ -347,7 +357,9 @@ async def classify(front: Front, request: Request) -> ClassifyResponse | CachedA
     cache = front.caches.get("classify")
     with (
         leased(front.classifier, "image-classification", request) as images,
-        images.admit(1, timeout_ms=client_deadline_ms(request)) as admission,  # before the upload is read
+        images.admit(  # before the upload is read
+            1, timeout_ms=client_deadline_ms(request), low=low_priority(request)
+        ) as admission,
     ):
         uploads, top_k = await read_images(request, "image", max_files=1, hint=": send several to /classify_batch")
         key = images_key(images.tag, "classify", uploads, top_k) if cache else b""
@@ -362,12 +374,12 @@ async def classify(front: Front, request: Request) -> ClassifyResponse | CachedA
 async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse | CachedAnswer:
     cache = front.caches.get("classify")
     with leased(front.classifier, "image-classification", request) as images:
-        deadline_ms = client_deadline_ms(request)
+        deadline_ms, low = client_deadline_ms(request), low_priority(request)
         uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
         key = images_key(images.tag, "classify_batch", uploads, top_k) if cache else b""
         if (hit := recalled(cache, key, images.tag)) is not None:
             return hit
-        with images.admit(len(uploads), timeout_ms=deadline_ms) as admission:  # once counted, before decoding
+        with images.admit(len(uploads), timeout_ms=deadline_ms, low=low) as admission:  # counted, before decoding
             results = await images.classify(
                 uploads, top_k, admission, shadowing(front.classifier, "classify", images.tag, request_id(request))
             )
@@ -384,13 +396,15 @@ async def embed_request(request: Request, limit: int) -> EmbedRequest:
 async def embed(front: Front, request: Request) -> EmbedResponse | CachedAnswer:
     cache = front.caches.get("embed")
     with leased(front.embedder, "text-embedding", request) as texts:
-        deadline_ms = client_deadline_ms(request)
+        deadline_ms, low = client_deadline_ms(request), low_priority(request)
         body = await embed_request(request, MAX_EMBED_BODY_BYTES)
         key = cache_key(texts.tag, body.model_dump_json().encode()) if cache else b""  # texts and options, parsed
         if (hit := recalled(cache, key, texts.tag)) is not None:
             return hit
         observe = shadowing(front.embedder, "embed", texts.tag, request_id(request))
-        vectors, tokens = await texts.embed(body.texts, truncate=body.truncate, timeout_ms=deadline_ms, observe=observe)
+        vectors, tokens = await texts.embed(
+            body.texts, truncate=body.truncate, timeout_ms=deadline_ms, observe=observe, low=low
+        )
     return remembered(cache, key, embed_response(texts, body, vectors, tokens))
 
 

@@ -17,9 +17,15 @@ and a lone request runs at once. Forming batches on the engine thread rather tha
 loop keeps the engine busy while the loop is parsing HTTP: under load the loop is the busier
 of the two. Results go back to the loop in one hand-off per batch.
 
-Bulk work (`run_bulk`, behind the bulk task) has a lane of its own at low priority: it is
-never admitted against a deadline and its batches run only while no interactive request
-waits. Each is cut to about `BULK_BATCH_SECONDS` of engine time, the longest an interactive
+Low-priority requests (a client's `X-Priority: low`) have a lane of their own: their batches run
+only while no normal request waits, each cut to about `BULK_BATCH_SECONDS` of engine time, so a
+normal request arriving behind one waits for that little; and they are shed first: while normal
+rows are waiting or on their way, a low-priority request is refused at once (503, `shed`), and
+otherwise admitted against its deadline from its own lane's backlog.
+
+Bulk work (`run_bulk`, behind the bulk task) has a lane of its own at the lowest priority: it
+is never admitted against a deadline and its batches run only while no interactive request,
+normal or low, waits. Each is cut to about `BULK_BATCH_SECONDS` of engine time, the longest an interactive
 request arriving behind one waits for it, and while interactive requests keep coming the
 engine rests as long as each bulk batch ran, so that bulk work takes at most half of the
 engine's time and leaves the cores to the requests' own parsing and tokenizing.
@@ -39,7 +45,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull, Refused
+from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull, Refused, Shed
 from serving.metrics import ModelMetrics
 from serving.text import padded_tokens_bound
 from serving.tracing import RequestTrace, current_trace
@@ -87,6 +93,7 @@ class Admission:
     reserved_cost: float
     admitted: float = 0.0  # monotonic seconds
     submitted: bool = False
+    low: bool = False  # low priority: its own lane, reserving nothing in the normal one
 
 
 @dataclass
@@ -116,6 +123,8 @@ class _Queue:
     """Everything the loop and the engine thread share, guarded by `lock`."""
 
     pending: deque[_Pending] = field(default_factory=deque)
+    low: deque[_Pending] = field(default_factory=deque)
+    low_cost: int = 0
     bulk: deque[_Pending] = field(default_factory=deque)
     last_interactive: float = -math.inf
     queued_rows: int = 0
@@ -152,19 +161,24 @@ class Batcher(Generic[Rows]):
     # --- the loop's side ---------------------------------------------------------------------
 
     @contextmanager
-    def admit(self, rows: int, *, timeout_ms: float | None = None) -> Iterator[Admission]:
+    def admit(self, rows: int, *, timeout_ms: float | None = None, low: bool = False) -> Iterator[Admission]:
         """Let a request of `rows` items in, or raise `Refused`; `timeout_ms` (the client's) can only
         shorten the server's deadline, and binds even on an idle engine, where the server's does
-        not. The reservation is returned when the block exits unsubmitted."""
+        not. The reservation is returned when the block exits unsubmitted. `low`: low priority
+        (see above)."""
         now = time.monotonic()
         with self._queue.lock:
             own_cost = rows * (self._speed.cost_per_row or 1.0)
-            refusal, deadline = self._judge(now, rows, own_cost, timeout_ms)
+            judge = self._judge_low if low else self._judge
+            refusal, deadline = judge(now, rows, own_cost, timeout_ms)
             if refusal is not None:
                 raise self._refuse(refusal)
-            self._queue.reserved_rows += rows
-            self._queue.reserved_cost += own_cost
-        admission = Admission(deadline=deadline, reserved_rows=rows, reserved_cost=own_cost, admitted=now)
+            reserved_rows, reserved_cost = (0, 0.0) if low else (rows, own_cost)
+            self._queue.reserved_rows += reserved_rows
+            self._queue.reserved_cost += reserved_cost
+        admission = Admission(
+            deadline=deadline, reserved_rows=reserved_rows, reserved_cost=reserved_cost, admitted=now, low=low
+        )
         try:
             yield admission
         finally:
@@ -206,6 +220,27 @@ class Batcher(Generic[Rows]):
         )
         return DeadlineUnmet(message, retry_after_s=late), now
 
+    def _judge_low(
+        self, now: float, rows: int, own_cost: float, timeout_ms: float | None
+    ) -> tuple[Refused | None, float]:
+        """`_judge` for a low-priority request: shed while normal rows wait or are on their way,
+        else judged against its own lane, which runs only when the normal one is empty."""
+        queue = self._queue
+        waiting = queue.queued_rows + queue.reserved_rows
+        if waiting:
+            message = f"low priority: {waiting} rows of normal requests wait for the {self._metrics.endpoint} model"
+            return Shed(message, retry_after_s=max(1.0, self._drain_seconds(now))), now
+        budget_ms = min(self.limits.max_latency_ms, timeout_ms or math.inf)
+        per_cost = self._speed.seconds_per_cost or 0.0
+        late = self._queued_seconds(now) + (queue.low_cost + own_cost) * per_cost - budget_ms / 1000
+        if late <= 0:
+            return None, now + budget_ms / 1000
+        message = (
+            f"the {self._metrics.endpoint} model cannot answer this low-priority request within {budget_ms:.0f} ms: "
+            f"about {budget_ms + 1000 * late:.0f} ms of work would be ahead of its answer"
+        )
+        return DeadlineUnmet(message, retry_after_s=late), now
+
     def _drain_seconds(self, now: float) -> float:
         """Engine time until everything admitted so far has run. Caller holds the lock."""
         return self._queued_seconds(now) + self._queue.reserved_cost * (self._speed.seconds_per_cost or 0.0)
@@ -236,28 +271,38 @@ class Batcher(Generic[Rows]):
         """Outputs for `rows`, in order; rows beyond one batch's caps are split into several."""
         loop = self._start()
         now = time.monotonic()
-        pieces = [self._pending(part, admission.deadline, now, loop) for part in self._split(rows)]
+        parts = self._split(rows, cost_cap=self._small_batch_cost() if admission.low else None)
+        pieces = [self._pending(part, admission.deadline, now, loop) for part in parts]
         with self._queue.lock:
             self._unreserve(admission)
             admission.submitted = True
-            self._speed.observe_preparation(now - admission.admitted)
             self._queue.last_interactive = now
             for piece in pieces:
-                self._queue.pending.append(piece)
-                self._queue.queued_rows += piece.count
-                self._queue.queued_cost += piece.cost
+                if admission.low:
+                    self._queue.low.append(piece)
+                    self._queue.low_cost += piece.cost
+                else:
+                    self._queue.pending.append(piece)
+                    self._queue.queued_rows += piece.count
+                    self._queue.queued_cost += piece.cost
                 self._speed.observe_request(piece.count, piece.cost)
+            if not admission.low:
+                self._speed.observe_preparation(now - admission.admitted)
             self._work.notify()
         return await _gathered(pieces)
+
+    def _small_batch_cost(self) -> int | None:
+        """The cost of about `BULK_BATCH_SECONDS` of engine time, once the engine's speed is known."""
+        with self._queue.lock:
+            per_cost = self._speed.seconds_per_cost
+        return max(1, int(BULK_BATCH_SECONDS / per_cost)) if per_cost else None
 
     async def run_bulk(self, rows: Rows) -> np.ndarray:
         """Outputs for `rows`, in order, computed at low priority in small batches (see above)."""
         loop = self._start()
         now = time.monotonic()
-        with self._queue.lock:
-            per_cost = self._speed.seconds_per_cost
-        cost_cap = max(1, int(BULK_BATCH_SECONDS / per_cost)) if per_cost else None
-        pieces = [self._pending(part, math.inf, now, loop) for part in self._split(rows, cost_cap=cost_cap)]
+        parts = self._split(rows, cost_cap=self._small_batch_cost())
+        pieces = [self._pending(part, math.inf, now, loop) for part in parts]
         with self._queue.lock:
             self._queue.bulk.extend(pieces)
             self._work.notify()
@@ -331,7 +376,7 @@ class Batcher(Generic[Rows]):
         rest = 0.0  # after a bulk batch under interactive traffic: as long as it ran
         while True:
             with self._work:
-                while not self._queue.pending and not self._queue.bulk:
+                while not self._queue.pending and not self._queue.low and not self._queue.bulk:
                     if self._closed:
                         return
                     self._work.wait()
@@ -341,6 +386,9 @@ class Batcher(Generic[Rows]):
                     now = time.monotonic()
                 if self._queue.pending:
                     batch, expired = self._take_batch(now)
+                    bulk = False
+                elif self._queue.low:
+                    batch, expired = self._take_low(now)
                     bulk = False
                 else:
                     batch, expired = self._take_bulk(now), []
@@ -363,6 +411,24 @@ class Batcher(Generic[Rows]):
                 started = time.perf_counter()
                 loop.call_soon_threadsafe(self._deliver, batch, *self._run_batch(batch))
                 rest = time.perf_counter() - started if bulk else 0.0
+
+    def _take_low(self, now: float) -> tuple[list[_Pending], list[_Pending]]:
+        """The oldest live low-priority piece, already cut to one small batch, and the hopeless
+        ones before it. Caller holds the lock."""
+        queue = self._queue
+        expired: list[_Pending] = []
+        per_cost = self._speed.seconds_per_cost or 0.0
+        while queue.low:
+            piece = queue.low.popleft()
+            queue.low_cost -= piece.cost
+            if piece.future.cancelled():
+                continue
+            if now + piece.cost * per_cost > piece.deadline:
+                expired.append(piece)
+                continue
+            queue.running_cost, queue.running_since = piece.cost, now
+            return [piece], expired
+        return [], expired
 
     def _take_bulk(self, now: float) -> list[_Pending]:
         """The oldest bulk piece, already cut to one bulk batch. Caller holds the lock."""

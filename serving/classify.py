@@ -82,14 +82,16 @@ class ImageClassifier:
         """Release the model once no request uses it any more (a hot swap: serving/lifecycle.py)."""
         self.model.close()
 
-    def admit(self, images: int, *, timeout_ms: float | None = None) -> AbstractContextManager[Admission]:
+    def admit(
+        self, images: int, *, timeout_ms: float | None = None, low: bool = False
+    ) -> AbstractContextManager[Admission]:
         """A place in the model's queue for `images` images, or a refusal (serving/batching.py):
         taken before anything costly, the body's upload for one image, its decoding for several."""
         if images < 1:
             raise InvalidInput("no image in the request")
         if images > self.max_items_per_request:
             raise InputTooLarge(f"{images} images in one request; the limit is {self.max_items_per_request}")
-        return self.model.admit(images, timeout_ms=timeout_ms)
+        return self.model.admit(images, timeout_ms=timeout_ms, low=low)
 
     async def classify(
         self, uploads: list[ImageUpload], top_k: int, admission: Admission, observe: Observer | None = None

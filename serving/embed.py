@@ -64,12 +64,18 @@ class TextEmbedder:
         self.model.close()
 
     async def embed(
-        self, texts: list[str], *, truncate: bool, timeout_ms: float | None = None, observe: Observer | None = None
+        self,
+        texts: list[str],
+        *,
+        truncate: bool,
+        timeout_ms: float | None = None,
+        observe: Observer | None = None,
+        low: bool = False,
     ) -> tuple[np.ndarray, int]:
         """Embeddings in request order and the number of tokens processed; admitted (or refused)
-        before tokenizing."""
+        before tokenizing. `low`: at low priority (serving/batching.py)."""
         check_text_batch(texts, max_items=self.max_items_per_request)
-        with self.model.admit(len(texts), timeout_ms=timeout_ms) as admission:
+        with self.model.admit(len(texts), timeout_ms=timeout_ms, low=low) as admission:
             with timed("tokenize"):
                 if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
                     ids = self.tokenizer.encode(texts, truncate=truncate)

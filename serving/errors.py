@@ -92,5 +92,9 @@ class DeadlineUnmet(Refused, status=HTTPStatus.SERVICE_UNAVAILABLE, kind="overlo
     """The queue ahead, at the engine's measured speed, would answer after the request's deadline."""
 
 
+class Shed(Refused, status=HTTPStatus.SERVICE_UNAVAILABLE, kind="shed", reason="low_priority"):
+    """A low-priority request, refused because normal ones are waiting: under contention the low go first."""
+
+
 class DeadlineExpired(Refused, status=HTTPStatus.SERVICE_UNAVAILABLE, kind="expired", reason="expired"):
     """Admitted, but the queue ran slower than estimated: refused before the engine ran it."""

@@ -57,7 +57,9 @@ Out = TypeVar("Out")
 
 
 class BatchedModel(Protocol):
-    def admit(self, rows: int, *, timeout_ms: float | None = None) -> AbstractContextManager[Admission]: ...
+    def admit(
+        self, rows: int, *, timeout_ms: float | None = None, low: bool = False
+    ) -> AbstractContextManager[Admission]: ...
 
     def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None: ...
 
@@ -135,7 +137,8 @@ class RemoteModel:
         self._route = route
 
     @contextmanager
-    def admit(self, rows: int, *, timeout_ms: float | None = None) -> Iterator[Admission]:
+    def admit(self, rows: int, *, timeout_ms: float | None = None, low: bool = False) -> Iterator[Admission]:
+        """Everything: the model service's batcher has no admission control, nor priorities."""
         yield Admission(deadline=math.inf, reserved_rows=0, reserved_cost=0.0)
 
     def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None:

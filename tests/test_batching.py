@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from serving.batching import Batcher, BatchLimits
-from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull
+from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull, Shed
 from serving.metrics import ModelMetrics
 from serving.text import padded_tokens
 
@@ -22,10 +22,12 @@ class RecordingModel:
         self.seconds_per_batch = seconds_per_batch
         self.seconds_per_row = seconds_per_row
         self.batches: list[int] = []
+        self.contents: list[np.ndarray] = []
         self.threads: set[str] = set()
 
     def __call__(self, rows: np.ndarray) -> np.ndarray:
         self.batches.append(len(rows))
+        self.contents.append(np.array(rows))
         self.threads.add(threading.current_thread().name)
         time.sleep(self.seconds_per_batch + self.seconds_per_row * len(rows))
         return np.asarray(rows, dtype=np.float32) * 2
@@ -313,3 +315,75 @@ def test_a_closed_batcher_runs_what_it_holds_then_its_engine_thread_ends() -> No
     assert not any(t.name == "engine-closing" for t in threading.enumerate()), "the engine thread is still there"
     with pytest.raises(RuntimeError, match="closing batcher is closed"):
         asyncio.run(submit(batcher, np.ones((1, 1))))
+
+
+async def submit_low(batcher: Batcher, rows, *, timeout_ms: float | None = None) -> np.ndarray:
+    with batcher.admit(len(rows), timeout_ms=timeout_ms, low=True) as admission:
+        return await batcher.run(rows, admission)
+
+
+def test_low_priority_rows_run_in_small_batches_only_while_no_normal_request_waits() -> None:
+    """Low requests admitted first, on an idle engine; normal ones arriving behind them overtake
+    every low batch not already running, and each low batch is about 2 ms of engine time."""
+    model = RecordingModel(seconds_per_batch=0.0005, seconds_per_row=0.001)  # 1 ms a row
+    batcher = make_batcher(model, endpoint="priorities", max_batch_size=16)
+    finished: list[str] = []
+
+    async def timed(name: str, run) -> None:
+        await run
+        finished.append(name)
+
+    async def mixed() -> None:
+        await submit(batcher, np.ones((4, 1)))  # the engine's speed, measured
+        low = [asyncio.ensure_future(timed(f"low{i}", submit_low(batcher, np.full((8, 1), 7.0)))) for i in range(3)]
+        await asyncio.sleep(0.003)  # the first low batch is running
+        normal = [asyncio.ensure_future(timed(f"normal{i}", submit(batcher, np.ones((2, 1))))) for i in range(3)]
+        await asyncio.gather(*low, *normal)
+
+    asyncio.run(mixed())
+    assert set(finished[:3]) == {"normal0", "normal1", "normal2"}, finished
+    low_batches = [batch for batch in model.contents if (batch == 7).any()]
+    assert all((batch == 7).all() for batch in low_batches), "a batch mixed low and normal rows"
+    assert sum(len(batch) for batch in low_batches) == 24 and max(len(batch) for batch in low_batches) <= 3
+
+
+def test_a_low_priority_request_is_shed_while_normal_rows_wait_and_admitted_when_they_are_done() -> None:
+    model = RecordingModel(seconds_per_batch=0.05)
+    batcher = make_batcher(model, endpoint="shed", max_batch_size=1)
+
+    async def contended() -> tuple[object, np.ndarray]:
+        await submit(batcher, np.ones((1, 1)))
+        normal = [asyncio.ensure_future(submit(batcher, np.ones((1, 1)))) for _ in range(3)]
+        await asyncio.sleep(0.01)  # one runs, two wait
+        try:
+            shed: object = await submit_low(batcher, np.ones((1, 1)))
+        except Shed as exc:
+            shed = exc
+        await asyncio.gather(*normal)
+        return shed, await submit_low(batcher, np.ones((1, 1)))
+
+    shed, served = asyncio.run(contended())
+    assert isinstance(shed, Shed) and shed.status == 503 and shed.headers["Retry-After"].isdigit()
+    assert "low priority: 2 rows of normal requests wait" in str(shed)
+    np.testing.assert_array_equal(served, np.full((1, 1), 2.0))
+    assert sample("optiserve_refused_total", "shed", reason="low_priority") == 1
+
+
+def test_a_low_priority_request_whose_deadline_passes_in_its_lane_is_refused_without_running() -> None:
+    model = RecordingModel(seconds_per_batch=0.03)
+    batcher = make_batcher(model, endpoint="low-expired", max_batch_size=1)
+
+    async def late() -> object:
+        await submit(batcher, np.ones((1, 1)))
+        with batcher.admit(1, timeout_ms=40, low=True) as admission:  # fits now: an idle engine
+            normal = [asyncio.ensure_future(submit(batcher, np.ones((1, 1)))) for _ in range(3)]
+            await asyncio.sleep(0)
+            try:
+                return await batcher.run(np.ones((1, 1)), admission)  # behind 90 ms of normal work
+            except DeadlineExpired as exc:
+                return exc
+            finally:
+                await asyncio.gather(*normal)
+
+    assert isinstance(asyncio.run(late()), DeadlineExpired)
+    assert model.batches.count(1) == 4  # the normal requests ran, the low one never did

@@ -299,6 +299,18 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_and_the_next
     assert after == before + 1
 
 
+def test_a_low_priority_request_is_served_on_an_idle_service_and_a_bad_priority_named(server) -> None:
+    photo = sample_photos()["chelsea"]
+    with server.client() as client:
+        by_header = client.post("/embed", json={"texts": ["hello"]}, headers={"X-Priority": "low"})
+        by_query = client.post("/classify?priority=low", content=photo, headers=JPEG)
+        normal = client.post("/embed", json={"texts": ["hello"]}, headers={"X-Priority": "normal"})
+        bad = client.post("/embed", json={"texts": ["hello"]}, headers={"X-Priority": "urgent"})
+    assert [r.status_code for r in (by_header, by_query, normal)] == [200, 200, 200]
+    assert by_header.json()["embeddings"] == normal.json()["embeddings"]
+    assert bad.status_code == 422 and "X-Priority" in bad.json()["error"] and "'urgent'" in bad.json()["error"]
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "1.5", "99999999"])
 def test_a_malformed_deadline_header_is_a_422_naming_it(server, value: str) -> None:
     with server.client() as client:
