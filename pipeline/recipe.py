@@ -270,8 +270,10 @@ class LoadedRecipe(BaseModel):
         return self.recipe.name
 
     def content_hash(self, extra: str = "") -> str:
-        """Changes when the recipe or any file it points at changes."""
-        digest = hashlib.sha256(self.recipe.model_dump_json().encode())
+        """Changes when what a build makes would change: the recipe, or any file it points at.
+        Its `serving` section is left out: it goes to the manifest's route, never into a stored
+        model, so turning a cache on or moving an alias needs no rebuild."""
+        digest = hashlib.sha256(self.recipe.model_dump_json(exclude={"serving"}).encode())
         for field, path in sorted(self.files.items()):
             digest.update(field.encode())
             digest.update(file_digest(path).encode())

@@ -268,6 +268,17 @@ def test_rerun_reuses_every_stored_variant(tiny_text: BuildResult, tiny_text_rec
     assert [c.variant for c in again.candidates] == [c.variant for c in tiny_text.candidates]
 
 
+def test_a_recipe_changed_only_in_serving_reuses_its_models_and_serves_the_new_settings(
+    tiny_text: BuildResult, tiny_text_recipe: dict, tmp_path
+) -> None:
+    serving = {"endpoint": "embed", "cache_mb": 8, "max_items_per_request": 32}
+    loaded = load_recipe(write(tmp_path / "tiny-embedder.yaml", {**tiny_text_recipe, "serving": serving}))
+    again = build(loaded)
+    assert again.reused and again.model.tag == tiny_text.model.tag
+    route = again.route(loaded)
+    assert (route.cache_mb, route.max_items_per_request) == (8, 32)
+
+
 def test_gate_rejects_a_broken_variant_and_never_registers_it(tiny_text_recipe: dict, tmp_path, monkeypatch) -> None:
     """A 'quantizer' that scrambles the weights: measured, rejected with its figure, not stored."""
     genuine = KINDS["int8-dynamic"]
