@@ -25,8 +25,8 @@ otherwise admitted against its deadline from its own lane's backlog.
 
 Bulk work (`run_bulk`, behind the bulk task) has a lane of its own at the lowest priority: it
 is never admitted against a deadline and its batches run only while no interactive request,
-normal or low, waits. Each is cut to about `BULK_BATCH_SECONDS` of engine time, the longest an interactive
-request arriving behind one waits for it, and while interactive requests keep coming the
+normal or low, waits. Each is cut to about `BULK_BATCH_SECONDS` of engine time, the longest an
+interactive request arriving behind one waits for it, and while interactive requests keep coming the
 engine rests as long as each bulk batch ran, so that bulk work takes at most half of the
 engine's time and leaves the cores to the requests' own parsing and tokenizing.
 """
@@ -203,7 +203,7 @@ class Batcher(Generic[Rows]):
             limit = self.limits.max_queue_rows
             message = f"the {self._metrics.endpoint} queue holds {waiting} rows, its limit is {limit}"
             return QueueFull(message, retry_after_s=self._drain_seconds(now)), now
-        budget_ms = min(self.limits.max_latency_ms, timeout_ms or math.inf)
+        budget_ms = self._budget_ms(timeout_ms)
         per_cost = self._speed.seconds_per_cost or 0.0
         # Reserved work reaches the queue about when this request does, queued work meanwhile drains.
         ahead = max(self._speed.preparation_seconds or 0.0, self._queued_seconds(now)) + queue.reserved_cost * per_cost
@@ -214,11 +214,7 @@ class Batcher(Generic[Rows]):
             # Too big for the server's deadline on an idle engine: refusing would not make room for
             # anyone, so it runs, as soon as it can, with no deadline to expire.
             return None, math.inf
-        message = (
-            f"the {self._metrics.endpoint} model cannot answer within {budget_ms:.0f} ms: "
-            f"about {budget_ms + 1000 * late:.0f} ms of work would be ahead of its answer"
-        )
-        return DeadlineUnmet(message, retry_after_s=late), now
+        return self._unmet(budget_ms, late), now
 
     def _judge_low(
         self, now: float, rows: int, own_cost: float, timeout_ms: float | None
@@ -230,16 +226,23 @@ class Batcher(Generic[Rows]):
         if waiting:
             message = f"low priority: {waiting} rows of normal requests wait for the {self._metrics.endpoint} model"
             return Shed(message, retry_after_s=max(1.0, self._drain_seconds(now))), now
-        budget_ms = min(self.limits.max_latency_ms, timeout_ms or math.inf)
+        budget_ms = self._budget_ms(timeout_ms)
         per_cost = self._speed.seconds_per_cost or 0.0
         late = self._queued_seconds(now) + (queue.low_cost + own_cost) * per_cost - budget_ms / 1000
         if late <= 0:
             return None, now + budget_ms / 1000
+        return self._unmet(budget_ms, late, "this low-priority request "), now
+
+    def _budget_ms(self, timeout_ms: float | None) -> float:
+        """The server's deadline, shortened by the client's."""
+        return min(self.limits.max_latency_ms, timeout_ms or math.inf)
+
+    def _unmet(self, budget_ms: float, late: float, what: str = "") -> DeadlineUnmet:
         message = (
-            f"the {self._metrics.endpoint} model cannot answer this low-priority request within {budget_ms:.0f} ms: "
+            f"the {self._metrics.endpoint} model cannot answer {what}within {budget_ms:.0f} ms: "
             f"about {budget_ms + 1000 * late:.0f} ms of work would be ahead of its answer"
         )
-        return DeadlineUnmet(message, retry_after_s=late), now
+        return DeadlineUnmet(message, retry_after_s=late)
 
     def _drain_seconds(self, now: float) -> float:
         """Engine time until everything admitted so far has run. Caller holds the lock."""

@@ -43,6 +43,7 @@ from serving.settings import access_log_enabled
 REQUEST_ID_HEADER = "X-Request-ID"
 REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
 SERVER_TIMING_KEY = b"server-timing"
+OUR_KEYS = frozenset({REQUEST_ID_KEY, SERVER_TIMING_KEY})  # replaced on every answer
 MODEL_TAG_KEY = b"x-model-tag"
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 ACCESS_LOGGER = "optiserve.access"
@@ -152,8 +153,7 @@ class RequestTracing:
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                ours = {REQUEST_ID_KEY, SERVER_TIMING_KEY}
-                headers = [(key, value) for key, value in message.get("headers", []) if key.lower() not in ours]
+                headers = [(key, value) for key, value in message.get("headers", []) if key.lower() not in OUR_KEYS]
                 headers += [
                     (REQUEST_ID_KEY, trace.request_id.encode()),
                     (SERVER_TIMING_KEY, trace.server_timing().encode()),
