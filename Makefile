@@ -4,9 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BENTOML := $(VENV)/bin/bentoml
 PORT ?= 3000
-# Every recipe is optimized and reported; the served ones (those with serving.endpoint) come first.
-SERVED_RECIPES ?= models/image-classifier.yaml models/text-embedder.yaml
-RECIPES ?= $(SERVED_RECIPES) $(filter-out $(SERVED_RECIPES),$(wildcard models/*.yaml))
+# Every recipe is optimized, reported and served: the default endpoints' first (serving.endpoint),
+# then each other at its own path, /models/<name>/. SERVED_RECIPES narrows what `make serve` builds.
+DEFAULT_RECIPES := models/image-classifier.yaml models/text-embedder.yaml
+RECIPES ?= $(DEFAULT_RECIPES) $(filter-out $(DEFAULT_RECIPES),$(wildcard models/*.yaml))
+SERVED_RECIPES ?= $(RECIPES)
 export HF_HUB_OFFLINE := 1
 
 .PHONY: setup optimize served-models serve test lint base-image clean loadtest bench bench-variants bench-overload bench-bulk bench-priorities bench-monitoring bench-swap fuzz soak
@@ -23,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 optimize: setup
 	$(PY) -m pipeline $(RECIPES)
 
-# Serving needs only the served recipes built: `make optimize` adds the others' reports.
+# Serving needs the served recipes built: all of them unless SERVED_RECIPES says otherwise.
 served-models: setup
 	$(PY) -m pipeline $(SERVED_RECIPES)
 

@@ -1,17 +1,21 @@
-"""optiserve: a front service (HTTP, decoding, tokenizing, batching) over one ONNX session per task.
+"""optiserve: a front service (HTTP, decoding, tokenizing, batching) over one ONNX session per model.
 
-Which stored model serves which endpoint, and its batching settings, come from the serving
-manifest that `make optimize` writes (see serving/manifest.py). Where the sessions run is
-`OPTISERVE_MODEL_PLACEMENT` (serving/settings.py): in the front worker, behind our batcher with
-admission control (default, serving/batching.py), or in one batched BentoML model service per task
-(serving/model_services.py); serving/model_calls.py `batched_model` gives the front its handle either way.
-Each route serves its alias once one is set (serving/aliases.py); in process, the service follows
-an alias change without a restart (serving/lifecycle.py).
+Which stored models are served, which of them answer the default endpoints (/classify, /embed),
+and their batching settings, come from the serving manifest that `make optimize` writes (see
+serving/manifest.py); every model is also served at its own path, /models/<name>/<endpoint>, with
+its own batcher. Where the sessions run is `OPTISERVE_MODEL_PLACEMENT` (serving/settings.py): in
+the front worker, behind our batcher with admission control (default, serving/batching.py), or in
+one batched BentoML model service per model (serving/model_services.py); serving/model_calls.py
+`batched_model` gives the front its handle either way. Each route serves its alias once one is
+set (serving/aliases.py); in process, the service follows an alias change without a restart
+(serving/lifecycle.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+from typing import Any
 
 import bentoml
 from starlette.responses import Response
@@ -19,11 +23,9 @@ from starlette.responses import Response
 from serving import api
 from serving.aliases import aliases_path
 from serving.cache import ResponseCache
-from serving.classify import ImageClassifier
 from serving.door import Door, Guard, RefusalPacer
-from serving.embed import TextEmbedder
-from serving.lifecycle import AliasWatcher, Split, open_front
-from serving.manifest import load_manifest, manifest_path
+from serving.lifecycle import AliasWatcher, Split, front_class, open_front
+from serving.manifest import DEFAULT_ENDPOINTS, Route, load_manifest, manifest_path, model_path
 from serving.model_services import model_service
 from serving.openapi import AmendedOpenAPI
 from serving.process import freeze_startup_heap
@@ -38,50 +40,52 @@ from serving.schemas import (
 from serving.settings import front_workers
 from serving.tracing import RequestTracing
 
+
+def identifier(model: str) -> str:
+    """A model's name as a Python name: its APIs' and its class attributes' names derive from it."""
+    return re.sub(r"\W", "_", model)
+
+
+def service_name(model: str) -> str:
+    """The model service's name for a model: image-classifier → ImageClassifierModel."""
+    return re.sub(r"[^A-Za-z0-9]", "", model.title()) + "Model"
+
+
+def kind_of(name: str, route: Route) -> str:
+    """The endpoints a route answers: its default endpoint's, or those of its stored model's task."""
+    return name if name in DEFAULT_ENDPOINTS else front_class(bentoml.models.get(route.tag)).kind
+
+
 manifest = load_manifest()
-classify_route, embed_route = manifest.classify, manifest.embed
-if classify_route is None and embed_route is None:
-    raise RuntimeError("the serving manifest routes no endpoint: nothing to serve")
+routes = manifest.routes()
+if not routes:
+    raise RuntimeError("the serving manifest routes no model: nothing to serve")
 door_guards: dict[str, Guard] = {}  # filled once the models are loaded (serving/door.py)
 refusal_pacer = RefusalPacer.from_environment()
-ImageModel = model_service("ImageModel", "classify", classify_route)  # None unless the placement is `service`
-TextModel = model_service("TextModel", "embed", embed_route)
+# Under the `service` placement, one model service per route, a dependency of the front's (else None).
+model_services = {name: model_service(service_name(route.recipe), name, route) for name, route in routes.items()}
 
 
-# BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG).
-@bentoml.service(
-    name="optiserve", workers=front_workers(), traffic={"timeout": 120}, logging={"access": {"enabled": False}}
-)
 class Optiserve:
     """Image classification and text embedding, each from a stored, measured ONNX model."""
 
-    image_stored = bentoml.models.BentoModel(classify_route.tag) if classify_route is not None else None
-    image_model = bentoml.depends(ImageModel) if ImageModel is not None else None
-    text_stored = bentoml.models.BentoModel(embed_route.tag) if embed_route is not None else None
-    text_model = bentoml.depends(TextModel) if TextModel is not None else None
-    classifier: Split[ImageClassifier] | None = None  # set in __init__ where the manifest routes a model
-    embedder: Split[TextEmbedder] | None = None
     refusal_pacer = refusal_pacer
 
     def __init__(self) -> None:
-        self.caches = {
-            endpoint: cache
-            for endpoint, route in (("classify", classify_route), ("embed", embed_route))
-            if route is not None and (cache := ResponseCache.of_megabytes(route.cache_mb, endpoint=endpoint))
+        self.routes: dict[str, api.Routed] = {
+            endpoint: api.Routed(endpoint, endpoint, endpoint, None) for endpoint in DEFAULT_ENDPOINTS
         }
-        # A canary or a shadow joins once the alias watcher has loaded it, within seconds of the start.
-        if classify_route is not None:
-            front = open_front("classify", self.image_stored, classify_route, self.image_model)
-            self.classifier = Split.of(classify_route, front)
-        if embed_route is not None:
-            front = open_front("embed", self.text_stored, embed_route, self.text_model)
-            self.embedder = Split.of(embed_route, front)
+        for name, route in routes.items():
+            stored = getattr(self, f"stored_{identifier(name)}")
+            service = getattr(self, f"model_{identifier(name)}", None)
+            # A canary or a shadow joins once the alias watcher has loaded it, within seconds of the start.
+            split = Split.of(route, open_front(name, stored, route, service))
+            cache = ResponseCache.of_megabytes(route.cache_mb, endpoint=name)
+            self.routes[name] = api.Routed(name, route.recipe, kind_of(name, route), split, cache)
         self.watcher = AliasWatcher.watching(
-            aliases_path(manifest_path()),
-            {"classify": classify_route, "embed": embed_route},
-            {"classify": self.classifier, "embed": self.embedder},
+            aliases_path(manifest_path()), routes, {name: self.routes[name].split for name in routes}
         )
-        door_guards.update(api.door_guards(self))
+        door_guards.update(api.door_guards(self.routes))
         freeze_startup_heap()
 
     @bentoml.on_startup
@@ -94,28 +98,68 @@ class Optiserve:
         self.following.cancel()
 
     # The endpoints read their own bodies (serving/api.py): BentoML passes the declared fields unread.
+    # Each model is also served at its own path (`model_endpoints`, below).
 
     @bentoml.api(input_spec=ClassifyRequest, output_spec=ClassifyResponse)
     async def classify(self, ctx: bentoml.Context, **unread: None) -> ClassifyResponse | Response:
         """Classify one image: a multipart file field `image`, or the whole body as an image."""
-        return await api.answer(ctx, api.classify, self)
+        return await api.answer(ctx, api.classify, self, "classify")
 
     @bentoml.api(input_spec=ClassifyBatchRequest, output_spec=ClassifyBatchResponse)
     async def classify_batch(self, ctx: bentoml.Context, **unread: None) -> ClassifyBatchResponse | Response:
         """Classify several images (repeated multipart field `images`), answered in request order."""
-        return await api.answer(ctx, api.classify_batch, self)
+        return await api.answer(ctx, api.classify_batch, self, "classify")
 
     @bentoml.api(input_spec=EmbedRequest, output_spec=EmbedResponse)
     async def embed(self, ctx: bentoml.Context, **unread: None) -> EmbedResponse | Response:
         """Embed texts (interactive: refused at once when it cannot be answered in time)."""
-        return await api.answer(ctx, api.embed, self)
+        return await api.answer(ctx, api.embed, self, "embed")
 
     @bentoml.task(input_spec=EmbedRequest, output_spec=EmbedResponse)
     async def embed_bulk(self, ctx: bentoml.Context, **unread: None) -> EmbedResponse | Response:
         """Embed a large job of texts at low priority, in the engine's spare time: submit, poll, get."""
-        return await api.answer(ctx, api.embed_bulk, self)
+        return await api.answer(ctx, api.embed_bulk, self, "embed")
 
 
+# The BentoML APIs of one operation at a model's own path: the endpoint function, the specs, the description.
+MODEL_OPERATIONS = {
+    "classify": (api.classify, ClassifyRequest, ClassifyResponse, "Classify one image with {model}, as /classify."),
+    "classify_batch": (
+        api.classify_batch,
+        ClassifyBatchRequest,
+        ClassifyBatchResponse,
+        "Classify several images with {model}, as /classify_batch.",
+    ),
+    "embed": (api.embed, EmbedRequest, EmbedResponse, "Embed texts with {model}, as /embed."),
+}
+
+
+def model_endpoint(name: str, model: str, operation: str) -> Any:
+    """The BentoML API answering `operation` at /models/<model>/<operation>, on the route `name`."""
+    endpoint, request, response, description = MODEL_OPERATIONS[operation]
+
+    async def answer(self: Optiserve, ctx: bentoml.Context, **unread: None) -> Any:
+        return await api.answer(ctx, endpoint, self, name)
+
+    # BentoML names an API after its function, and finds it on the service by that name.
+    answer.__name__ = answer.__qualname__ = f"{identifier(model)}_{operation}"
+    answer.__doc__ = description.format(model=model)
+    route = f"{model_path(model)}/{operation}"
+    return answer.__name__, bentoml.api(route=route, input_spec=request, output_spec=response)(answer)
+
+
+# Per route: its stored model (which `bentoml build` packs), its model service, its model's own APIs.
+for _name, _route in routes.items():
+    setattr(Optiserve, f"stored_{identifier(_name)}", bentoml.models.BentoModel(_route.tag))
+    if model_services[_name] is not None:
+        setattr(Optiserve, f"model_{identifier(_name)}", bentoml.depends(model_services[_name]))
+    for _operation in api.OPERATIONS[kind_of(_name, _route)]:
+        setattr(Optiserve, *model_endpoint(_name, _route.recipe, _operation))
+
+# BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG).
+Optiserve = bentoml.service(
+    name="optiserve", workers=front_workers(), traffic={"timeout": 120}, logging={"access": {"enabled": False}}
+)(Optiserve)
 Optiserve.add_asgi_middleware(RequestTracing)  # the outermost of ours: refusals at the door carry its headers too
 Optiserve.add_asgi_middleware(Door, guards=door_guards, pacer=refusal_pacer)
 Optiserve.add_asgi_middleware(AmendedOpenAPI, service=Optiserve)

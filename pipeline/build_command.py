@@ -17,7 +17,7 @@ from pipeline.profile import Batching
 from pipeline.quiet import third_party_quiet
 from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
 from pipeline.report import write_report
-from serving.manifest import DEFAULT_MANIFEST, ManifestError, update_manifest
+from serving.manifest import DEFAULT_ENDPOINTS, DEFAULT_MANIFEST, ManifestError, update_manifest
 
 console = Console(stderr=True, width=160)
 
@@ -39,7 +39,10 @@ def load_all(paths: list[Path]) -> list[LoadedRecipe]:
         endpoint = item.recipe.serving.endpoint
         if endpoint is not None and endpoint in seen:
             raise RecipeError(f"{item.path}: serving.endpoint: {endpoint!r} is already served by {seen[endpoint]}")
-        seen[endpoint] = item.path
+        if endpoint is None and item.name in DEFAULT_ENDPOINTS:
+            raise RecipeError(f"{item.path}: name: {item.name!r} is a default endpoint's; name the model otherwise")
+        if endpoint is not None:
+            seen[endpoint] = item.path
     return loaded
 
 
@@ -79,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             progress.update(task, description=f"{loaded.name}: done", total=1, completed=1)
             progress.advance(overall)
-            if loaded.recipe.serving.endpoint is not None:
-                routes[loaded.recipe.serving.endpoint] = result.route(loaded)
+            routes[loaded.recipe.serving.endpoint or loaded.name] = result.route(loaded)
             report = write_report(loaded.recipe, result, args.reports / loaded.name)
             table.add_row(
                 loaded.name,
@@ -97,6 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     except ManifestError as exc:
         console.print(f"[red]serving manifest not updated[/red] {exc}")
         return 1
-    served = ", ".join(f"{endpoint} → {route.tag}" for endpoint, route in manifest if route) or "no endpoint"
+    served = ", ".join(f"{name} → {route.tag}" for name, route in manifest.routes().items()) or "no model"
     console.print(f"serving manifest: {args.manifest} ({served})")
     return 0

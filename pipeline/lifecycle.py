@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from serving.aliases import DEFAULT_ALIAS, Alias, AliasError, aliases_path, label, promote, read_aliases, rollback
-from serving.manifest import ManifestError, manifest_path, read_manifest
+from serving.manifest import ManifestError, manifest_path, read_manifest, route_path
 
 COMMANDS = ("promote", "rollback", "aliases", "shadow-report")
 DEFAULT_URL = "http://127.0.0.1:3000"
@@ -66,8 +66,8 @@ def main(argv: list[str]) -> int:
 
 def routed_tag(manifest: Path, model: str, alias: str) -> str | None:
     """The manifest's tag for the route serving `model@alias`: what it serves while the alias is unset."""
-    routes = read_manifest(manifest) if manifest.is_file() else ()
-    return next((r.tag for _, r in routes if r is not None and (r.recipe, r.alias) == (model, alias)), None)
+    routes = read_manifest(manifest).routes().values() if manifest.is_file() else ()
+    return next((r.tag for r in routes if (r.recipe, r.alias) == (model, alias)), None)
 
 
 def describe(model: str, alias: str, entry: Alias) -> str:
@@ -79,9 +79,8 @@ def describe(model: str, alias: str, entry: Alias) -> str:
 def listing(manifest: Path, path: Path) -> str:
     """Which endpoint serves which alias, and every alias with its history, newest first."""
     lines = [f"aliases: {path}"]
-    for endpoint, route in read_manifest(manifest) if manifest.is_file() else ():
-        if route is not None:
-            lines.append(f"/{endpoint} serves {label(route.recipe, route.alias)} (until it is set: {route.tag})")
+    for name, route in read_manifest(manifest).routes().items() if manifest.is_file() else ():
+        lines.append(f"{route_path(name)} serves {label(route.recipe, route.alias)} (until it is set: {route.tag})")
     for model, aliases in read_aliases(path).models.items():
         for alias, entry in aliases.items():
             lines.append(describe(model, alias, entry) + f", since {entry.current.since:%Y-%m-%d %H:%M:%S} UTC")

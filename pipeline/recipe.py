@@ -96,7 +96,10 @@ class Export(Strict):
 
 
 class Serving(Strict):
-    endpoint: Literal["classify", "embed"] | None = Field(default=None, description="omit to register only")
+    endpoint: Literal["classify", "embed"] | None = Field(
+        default=None,
+        description="also the default endpoint's model; every model is served at /models/<name>/",
+    )
     max_batch_size: int | None = Field(
         default=None, ge=2, le=1024, description="override the profiled value (BentoML batches at least 2)"
     )

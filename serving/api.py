@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import bentoml
 from bentoml.exceptions import BentoMLException
@@ -45,6 +45,7 @@ from serving.errors import (
 )
 from serving.images import DEFAULT_MAX_BYTES
 from serving.lifecycle import Model, Split
+from serving.manifest import DEFAULT_ENDPOINTS, model_path
 from serving.metrics import count_error
 from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
 from serving.settings import body_timeout_s
@@ -54,15 +55,29 @@ from serving.tracing import REQUEST_ID_HEADER, timed
 logger = logging.getLogger(__name__)
 
 
-class Front(Protocol):
-    """What the front BentoML service instance offers the endpoints: each endpoint's traffic split
-    between its alias, a canary's and a shadow's, each model in a slot, so that a request keeps the
-    model it started with through a hot swap (serving/lifecycle.py)."""
+@dataclass(frozen=True)
+class Routed(Generic[Model]):
+    """One route as its endpoints see it: its traffic split between its alias, a canary's and a
+    shadow's, each model in a slot, so that a request keeps the model it started with through a hot
+    swap (serving/lifecycle.py); and its response cache, where it has one (serving/cache.py)."""
 
-    classifier: Split[ImageClassifier] | None
-    embedder: Split[TextEmbedder] | None
+    name: str  # the manifest's: a default endpoint or a model's name; `endpoint` in the metrics
+    model: str  # the recipe it serves, whose name is its path: /models/<model>/...
+    kind: str  # "classify" or "embed": the endpoints it answers (OPERATIONS)
+    split: Split[Model] | None  # None: a default endpoint the deployment routes no model to
+    cache: ResponseCache | None = None
+
+    def paths(self) -> list[str]:
+        """Every path its endpoints answer at: its model's own, and the default ones for a default route."""
+        prefixes = ["", model_path(self.model)] if self.name in DEFAULT_ENDPOINTS else [model_path(self.model)]
+        return [f"{prefix}/{operation}" for prefix in prefixes for operation in OPERATIONS[self.kind]]
+
+
+class Front(Protocol):
+    """What the front BentoML service instance offers the endpoints."""
+
+    routes: dict[str, Routed]  # by name; the default endpoints always, their split None if unrouted
     refusal_pacer: RefusalPacer | None  # shared with serving/door.py
-    caches: dict[str, ResponseCache]  # by endpoint, where its route has one (serving/cache.py)
 
 
 MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
@@ -77,6 +92,8 @@ PRIORITY_HEADER = "X-Priority"  # `low` or `normal` (default); also the query pa
 PRIORITIES = ("normal", "low")
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
 INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
+# The endpoints of each kind of model, below the default path and each model's own (`Routed.paths`).
+OPERATIONS = {"classify": ("classify", "classify_batch"), "embed": ("embed",)}
 
 # The tag of the model a request leased (`leased`), for an error answered after the lease ended.
 LEASED_TAG: ContextVar[str | None] = ContextVar("leased_tag", default=None)
@@ -120,13 +137,14 @@ class ErrorAnswer:
 
 
 async def answer(
-    ctx: bentoml.Context, endpoint: Callable[[Front, Request], Awaitable[Answer]], front: Front
+    ctx: bentoml.Context, endpoint: Callable[[Routed, Request], Awaitable[Answer]], front: Front, route: str
 ) -> Answer | Response:
-    """`endpoint`'s answer to the request BentoML is serving, with the model's tag in a header, or
-    its error as our JSON body and status. BentoML sets an API's status and headers from its
-    context: both go there."""
+    """`endpoint`'s answer, on the route named `route`, to the request BentoML is serving, with the
+    model's tag in a header, or its error as our JSON body and status. BentoML sets an API's status
+    and headers from its context: both go there."""
+    routed = front.routes[route]
     try:
-        result = await endpoint(front, UNREAD_REQUEST.get())
+        result = await endpoint(routed, UNREAD_REQUEST.get())
         if isinstance(result, CachedAnswer):
             return result.response()
     except Refused as exc:
@@ -135,7 +153,7 @@ async def answer(
         error = error_answer(exc)
     except Exception as exc:
         error = error_answer(exc)
-        record_error(front, endpoint.__name__, exc, error)
+        record_error(routed, endpoint.__name__, exc, error)
     else:
         ctx.response.headers[MODEL_TAG_HEADER] = result.model
         return result
@@ -169,12 +187,11 @@ def error_class(exc: Exception, status: int) -> str:
     return "request" if status < 500 else "internal"
 
 
-def record_error(front: Front, api: str, exc: Exception, error: ErrorAnswer) -> None:
+def record_error(route: Routed, api: str, exc: Exception, error: ErrorAnswer) -> None:
     """Counts an error answer of the API named `api` against its model (serving/metrics.py)."""
-    endpoint = "embed" if api.startswith("embed") else "classify"
-    split = front.embedder if endpoint == "embed" else front.classifier
+    split = route.split
     count_error(
-        endpoint=endpoint,
+        endpoint=route.name,
         model=LEASED_TAG.get() or (split.primary.model.tag if split is not None else "none"),
         api=api,
         error_class=error_class(exc, error.status),
@@ -310,21 +327,18 @@ def resolve_top_k(request: Request, form: dict[str, str]) -> int:
     return int(value)
 
 
-def door_guards(front: Front) -> dict[str, Guard]:
-    """What serving/door.py asks before a model endpoint's request goes further: the queue of the
-    model the request would lease now (its side of the split; without an id, the alias's own)."""
+def door_guards(routes: dict[str, Routed]) -> dict[str, Guard]:
+    """What serving/door.py asks before a model endpoint's request goes further, by path: the queue
+    of the model the request would lease now (its side of the split; without an id, the alias's own)."""
 
-    def guard(split: Split[ImageClassifier] | Split[TextEmbedder] | None) -> Guard:
+    def guard(split: Split[ImageClassifier] | Split[TextEmbedder]) -> Guard:
         def refusal(timeout_ms: float | None, request_id: str | None) -> Refused | None:
-            if split is None:
-                return None
             slot = split.slot(request_id) if request_id else split.primary
             return slot.model.model.refusal_at_door(timeout_ms)
 
         return refusal
 
-    images, texts = guard(front.classifier), guard(front.embedder)
-    return {"/classify": images, "/classify_batch": images, "/embed": texts}
+    return {path: guard(route.split) for route in routes.values() if route.split is not None for path in route.paths()}
 
 
 def request_id(request: Request) -> str | None:
@@ -353,10 +367,10 @@ def images_key(tag: str, api: str, uploads: list[ImageUpload], top_k: int) -> by
     return cache_key(tag, api.encode(), str(top_k).encode(), *(upload.data for upload in uploads))
 
 
-async def classify(front: Front, request: Request) -> ClassifyResponse | CachedAnswer:
-    cache = front.caches.get("classify")
+async def classify(route: Routed[ImageClassifier], request: Request) -> ClassifyResponse | CachedAnswer:
+    cache = route.cache
     with (
-        leased(front.classifier, "image-classification", request) as images,
+        leased(route.split, "image-classification", request) as images,
         images.admit(  # before the upload is read
             1, timeout_ms=client_deadline_ms(request), low=low_priority(request)
         ) as admission,
@@ -366,14 +380,14 @@ async def classify(front: Front, request: Request) -> ClassifyResponse | CachedA
         if (hit := recalled(cache, key, images.tag)) is not None:
             return hit
         (predictions,) = await images.classify(
-            uploads, top_k, admission, shadowing(front.classifier, "classify", images.tag, request_id(request))
+            uploads, top_k, admission, shadowing(route.split, route.name, images.tag, request_id(request))
         )
     return remembered(cache, key, ClassifyResponse(model=images.tag, predictions=predictions))
 
 
-async def classify_batch(front: Front, request: Request) -> ClassifyBatchResponse | CachedAnswer:
-    cache = front.caches.get("classify")
-    with leased(front.classifier, "image-classification", request) as images:
+async def classify_batch(route: Routed[ImageClassifier], request: Request) -> ClassifyBatchResponse | CachedAnswer:
+    cache = route.cache
+    with leased(route.split, "image-classification", request) as images:
         deadline_ms, low = client_deadline_ms(request), low_priority(request)
         uploads, top_k = await read_images(request, "images", max_files=images.max_items_per_request)
         key = images_key(images.tag, "classify_batch", uploads, top_k) if cache else b""
@@ -381,7 +395,7 @@ async def classify_batch(front: Front, request: Request) -> ClassifyBatchRespons
             return hit
         with images.admit(len(uploads), timeout_ms=deadline_ms, low=low) as admission:  # counted, before decoding
             results = await images.classify(
-                uploads, top_k, admission, shadowing(front.classifier, "classify", images.tag, request_id(request))
+                uploads, top_k, admission, shadowing(route.split, route.name, images.tag, request_id(request))
             )
     return remembered(cache, key, ClassifyBatchResponse(model=images.tag, results=results))
 
@@ -393,23 +407,23 @@ async def embed_request(request: Request, limit: int) -> EmbedRequest:
     return EmbedRequest.model_validate_json(await read_body(request, limit))
 
 
-async def embed(front: Front, request: Request) -> EmbedResponse | CachedAnswer:
-    cache = front.caches.get("embed")
-    with leased(front.embedder, "text-embedding", request) as texts:
+async def embed(route: Routed[TextEmbedder], request: Request) -> EmbedResponse | CachedAnswer:
+    cache = route.cache
+    with leased(route.split, "text-embedding", request) as texts:
         deadline_ms, low = client_deadline_ms(request), low_priority(request)
         body = await embed_request(request, MAX_EMBED_BODY_BYTES)
         key = cache_key(texts.tag, body.model_dump_json().encode()) if cache else b""  # texts and options, parsed
         if (hit := recalled(cache, key, texts.tag)) is not None:
             return hit
-        observe = shadowing(front.embedder, "embed", texts.tag, request_id(request))
+        observe = shadowing(route.split, route.name, texts.tag, request_id(request))
         vectors, tokens = await texts.embed(
             body.texts, truncate=body.truncate, timeout_ms=deadline_ms, observe=observe, low=low
         )
     return remembered(cache, key, embed_response(texts, body, vectors, tokens))
 
 
-async def embed_bulk(front: Front, request: Request) -> EmbedResponse:
-    with leased(front.embedder, "text-embedding", request) as texts:
+async def embed_bulk(route: Routed[TextEmbedder], request: Request) -> EmbedResponse:
+    with leased(route.split, "text-embedding", request) as texts:
         body = await embed_request(request, MAX_BULK_BODY_BYTES)
         vectors, tokens = await texts.embed_bulk(body.texts, truncate=body.truncate)
     return embed_response(texts, body, vectors, tokens)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import anyio
 import bentoml
@@ -58,6 +59,7 @@ def top_k_predictions(probabilities: np.ndarray, class_names: Sequence[str], k: 
 
 @dataclass(frozen=True, kw_only=True)
 class ImageClassifier:
+    kind: ClassVar[str] = "classify"  # the endpoints it serves: classify and classify_batch
     spec: ImageInput
     class_names: list[str]
     model: BatchedModel
@@ -66,8 +68,9 @@ class ImageClassifier:
     monitor: ModelMonitor | None = None
 
     @classmethod
-    def from_stored(cls, stored: bentoml.Model, route: Route, model: BatchedModel) -> ImageClassifier:
-        """The classifier of a stored model: its input spec and class names are stored with it."""
+    def from_stored(cls, stored: bentoml.Model, route: Route, model: BatchedModel, *, endpoint: str) -> ImageClassifier:
+        """The classifier of a stored model: its input spec and class names are stored with it.
+        `endpoint`: the route's name in the metrics."""
         class_names = load_class_names(Path(stored.path))
         return cls(
             spec=read_spec(stored.info.metadata).image,
@@ -75,7 +78,7 @@ class ImageClassifier:
             model=model,
             max_items_per_request=route.max_items_per_request,
             tag=str(stored.tag),
-            monitor=ModelMonitor.of_stored("classify", stored, class_names),
+            monitor=ModelMonitor.of_stored(endpoint, stored, class_names),
         )
 
     def close(self) -> None:

@@ -19,6 +19,9 @@ hammers is slowed to the rate, and the requests that were let in keep the loop (
 goodput 1.2 requests/s refusing in the handler, 10.7 paced at 200 a second, 15.2 at 50, on a
 busy host; RELIABILITY.md).
 
+A path below /models/ that no served model answers gets its 404 here too, in our error schema and
+naming the models' endpoints, where BentoML's would be a bare "Not Found".
+
 Refusals answered at the door skip BentoML's API handler; they are counted in
 `optiserve_refused_total` by reason, as every refusal is, and held ones also in
 `optiserve_refusals_held_total`.
@@ -30,6 +33,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping
+from http import HTTPStatus
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -45,6 +49,7 @@ MAX_DEADLINE_MS = 600_000
 DRAIN_LIMIT_BYTES = 1024 * 1024
 # A refusal is never held longer than this: past it, a backlog of refusals is answered as it comes.
 MAX_HOLD_S = 5.0
+MODELS_PREFIX = "/models/"  # each model's own endpoints (service.py); an unknown one is answered here
 
 # The refusal a model endpoint's queue gives now (None: let the request in), for the client's
 # deadline in milliseconds and the request's id (its side of a canary split), if it sent them.
@@ -95,6 +100,10 @@ class Door:
         self.pacer = pacer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(MODELS_PREFIX) and scope["path"] not in self.guards:
+            drained = await drain(receive)
+            await answer_json(send, HTTPStatus.NOT_FOUND, self.no_such_model(scope["path"]), closing(not drained))
+            return
         guard = self.guards.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         refusal = guard(*deadline_and_id(scope)) if guard is not None else None
         if refusal is None:
@@ -104,6 +113,11 @@ class Door:
             await self.pacer.pace()
         drained = await drain(receive)
         await refuse(send, refusal, close=not drained)
+
+    def no_such_model(self, path: str) -> dict[str, str]:
+        """The 404 for a path below /models/ that no served model answers, naming those that do."""
+        served = ", ".join(sorted(p for p in self.guards if p.startswith(MODELS_PREFIX))) or "none"
+        return {"error": f"no model endpoint at {path}; the models' endpoints: {served}", "type": "not_found"}
 
 
 def deadline_and_id(scope: Scope) -> tuple[float | None, str | None]:
@@ -149,12 +163,21 @@ async def drain(receive: Receive, limit: int = DRAIN_LIMIT_BYTES) -> bool:
 async def refuse(send: Send, refusal: Refused, *, close: bool = False) -> None:
     """The refusal in the body and headers every refusal of the service has (serving/api.py);
     `close`: on a connection closed after it."""
-    body = json.dumps(refusal.to_json()).encode()
-    headers = [
+    await answer_json(send, refusal.status, refusal.to_json(), {**(refusal.headers or {}), **closing(close)})
+
+
+def closing(close: bool) -> dict[str, str]:
+    """The header that closes the connection after an answer whose request body was left unread."""
+    return {"Connection": "close"} if close else {}
+
+
+async def answer_json(send: Send, status: int, body: dict[str, str], headers: Mapping[str, str] | None = None) -> None:
+    """An answer in our error schema, sent from here: the app behind never sees the request."""
+    encoded = json.dumps(body).encode()
+    head = [
         (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in refusal.headers.items()),
-        *([(b"connection", b"close")] if close else []),
+        (b"content-length", str(len(encoded)).encode()),
+        *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in (headers or {}).items()),
     ]
-    await send({"type": "http.response.start", "status": int(refusal.status), "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.start", "status": int(status), "headers": head})
+    await send({"type": "http.response.body", "body": encoded})

@@ -6,6 +6,7 @@ import base64
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import anyio
 import bentoml
@@ -41,6 +42,7 @@ def decode_base64_f16(encoded: list[str]) -> np.ndarray:
 
 @dataclass(frozen=True, kw_only=True)
 class TextEmbedder:
+    kind: ClassVar[str] = "embed"  # the endpoint it serves
     tokenizer: TextTokenizer
     model: BatchedModel
     max_items_per_request: int
@@ -48,15 +50,16 @@ class TextEmbedder:
     monitor: ModelMonitor | None = None
 
     @classmethod
-    def from_stored(cls, stored: bentoml.Model, route: Route, model: BatchedModel) -> TextEmbedder:
-        """The embedder of a stored model: its tokenizer is stored with it."""
+    def from_stored(cls, stored: bentoml.Model, route: Route, model: BatchedModel, *, endpoint: str) -> TextEmbedder:
+        """The embedder of a stored model: its tokenizer is stored with it. `endpoint`: the
+        route's name in the metrics."""
         spec = read_spec(stored.info.metadata).text
         return cls(
             tokenizer=TextTokenizer(Path(stored.path) / TOKENIZER_FILE, max_length=spec.max_length),
             model=model,
             max_items_per_request=route.max_items_per_request,
             tag=str(stored.tag),
-            monitor=ModelMonitor.of_stored("embed", stored),
+            monitor=ModelMonitor.of_stored(endpoint, stored),
         )
 
     def close(self) -> None:

@@ -34,20 +34,26 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 from serving.aliases import AliasError, label, read_aliases, refused, stored_model
 from serving.classify import ImageClassifier
 from serving.embed import TextEmbedder
-from serving.manifest import Route, pinned, serving_model
+from serving.manifest import Route, pinned, route_path, serving_model
 from serving.metrics import count_swap
 from serving.model_calls import batched_model, in_process_model
+from serving.model_runtime import read_spec
+from serving.model_spec import Task
 from serving.settings import front_workers, model_placement
 
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
 SWAPPED = "loaded and warmed up"  # in the log line of every swap (bench/swap.py waits for it)
-FRONTS: dict[str, type[ImageClassifier] | type[TextEmbedder]] = {"classify": ImageClassifier, "embed": TextEmbedder}
+FRONTS: dict[Task, type[ImageClassifier] | type[TextEmbedder]] = {
+    "image-classification": ImageClassifier,
+    "text-embedding": TextEmbedder,
+}
 
 
 class Served(Protocol):
     tag: str
+    kind: str  # the endpoints it answers: "classify" or "embed"
 
     def close(self) -> None: ...
 
@@ -147,10 +153,16 @@ def _bucket(request_id: str | None, share: str) -> float:
     return int.from_bytes(digest) / 2**64 * 100
 
 
+def front_class(stored: Any) -> type[ImageClassifier] | type[TextEmbedder]:
+    """The front a stored model's task needs."""
+    return FRONTS[read_spec(stored.info.metadata).task]
+
+
 def open_front(endpoint: str, stored: Any, route: Route, remote: Any = None) -> ImageClassifier | TextEmbedder:
-    """The endpoint's front over a stored model (`bentoml.Model`), its session where the placement
+    """The route's front over a stored model (`bentoml.Model`), its session where the placement
     puts it (serving/model_calls.py; `remote` is the model service's client there)."""
-    return FRONTS[endpoint].from_stored(stored, route, batched_model(endpoint, stored, route, remote))
+    model = batched_model(endpoint, stored, route, remote)
+    return front_class(stored).from_stored(stored, route, model, endpoint=endpoint)
 
 
 class AliasWatcher:
@@ -206,7 +218,8 @@ class AliasWatcher:
             front = await asyncio.to_thread(self._open, endpoint, route, side, tag)
         except AliasError as exc:  # whatever the new version does wrong, the old one keeps serving
             kept = getattr(split, side[0])
-            logger.error("/%s: %s; %s", endpoint, exc, f"{kept.model.tag} keeps serving" if kept else "not served")
+            keeps = f"{kept.model.tag} keeps serving" if kept else "not served"
+            logger.error("%s: %s; %s", route_path(endpoint), exc, keeps)
             count_swap(endpoint, "refused")
             return
         old = split.put(front, side[0])
@@ -215,7 +228,7 @@ class AliasWatcher:
             released = f"{old.tag} released"
         else:
             released = f"now {getattr(split, f'{side[0]}_percent'):g} % of the requests ({side[0]})"
-        logger.info("/%s: %s → %s, %s; %s", endpoint, name, tag, SWAPPED, released)
+        logger.info("%s: %s → %s, %s; %s", route_path(endpoint), name, tag, SWAPPED, released)
 
     def _open(self, endpoint: str, route: Route, side: tuple[Side, str], tag: str) -> ImageClassifier | TextEmbedder:
         """The new version's front, its files checked and its session warmed up (in a thread: it
@@ -224,14 +237,14 @@ class AliasWatcher:
         name = label(route.recipe, side[1])
         stored = stored_model(tag, alias=name)
         if stored.tag.name != route.recipe:
-            raise refused(name, tag, f"/{endpoint} serves {route.recipe} models")
+            raise refused(name, tag, f"{route_path(endpoint)} serves {route.recipe} models")
         try:
             served = serving_model(route, stored)
             shadow = side[0] == "shadow"
             model = in_process_model(
                 endpoint, stored, served, processes=front_workers(), light_warm_up=True, background=shadow
             )
-            return FRONTS[endpoint].from_stored(stored, served, model)
+            return front_class(stored).from_stored(stored, served, model, endpoint=endpoint)
         except Exception as exc:
             raise refused(name, tag, exc) from exc
 

@@ -65,10 +65,54 @@ class Route(BaseModel):
         return self
 
 
+DEFAULT_ENDPOINTS = ("classify", "embed")
+
+
+def model_path(model: str) -> str:
+    """The prefix of a model's own endpoints: /models/<name>/classify, /models/<name>/embed, ..."""
+    return f"/models/{model}"
+
+
+def route_path(name: str) -> str:
+    """Where a route's requests arrive, for logs: its default endpoint, or its model's own prefix."""
+    return f"/{name}" if name in DEFAULT_ENDPOINTS else model_path(name)
+
+
 class ServingManifest(BaseModel):
+    """The default endpoints' routes, and every other served model's by its name: each model is
+    served at /models/<name>/<its task's endpoint> (the defaults too), with its own batcher."""
+
     model_config = ConfigDict(extra="forbid")
     classify: Route | None = None
     embed: Route | None = None
+    models: dict[str, Route] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_route_per_model(self) -> ServingManifest:
+        defaults = {route.recipe: endpoint for endpoint, route in self.defaults().items()}
+        for name, route in self.models.items():
+            if name != route.recipe:
+                raise ValueError(f"models.{name}: the route serves {route.recipe!r}, not the model it is named after")
+            if name in defaults:
+                raise ValueError(f"models.{name}: {name!r} is already served by the {defaults[name]!r} route")
+        return self
+
+    def defaults(self) -> dict[str, Route]:
+        """The default endpoints' routes, where the manifest sets them."""
+        return {e: route for e in DEFAULT_ENDPOINTS if (route := getattr(self, e)) is not None}
+
+    def routes(self) -> dict[str, Route]:
+        """Every route by its name: the default endpoints', then each other model's."""
+        return {**self.defaults(), **self.models}
+
+    def with_routes(self, routes: dict[str, Route]) -> ServingManifest:
+        """These routes set (by name: a default endpoint or a model), every other kept, except
+        another route of the same model: a recipe moved to or from a default endpoint moves."""
+        recipes = {route.recipe for route in routes.values()}
+        kept = {n: r for n, r in self.routes().items() if n not in routes and r.recipe not in recipes}
+        merged = {**kept, **routes}
+        defaults = {e: merged.pop(e, None) for e in DEFAULT_ENDPOINTS}
+        return ServingManifest(**defaults, models=merged)
 
 
 class ManifestError(RuntimeError):
@@ -94,9 +138,7 @@ def load_manifest(path: Path | None = None) -> ServingManifest:
     path = path or manifest_path()
     manifest = read_manifest(path)
     aliases = read_aliases(aliases_path(path))
-    for endpoint, route in manifest:
-        if route is not None:
-            setattr(manifest, endpoint, aliased(route, aliases))
+    manifest = manifest.with_routes({name: aliased(route, aliases) for name, route in manifest.routes().items()})
     for endpoint, env in TAG_OVERRIDE_ENV.items():
         route = getattr(manifest, endpoint)
         if pinned(endpoint) and route is not None:
@@ -105,8 +147,9 @@ def load_manifest(path: Path | None = None) -> ServingManifest:
 
 
 def pinned(endpoint: str) -> bool:
-    """Whether the environment names this endpoint's model: aliases do not move it then."""
-    return bool(os.environ.get(TAG_OVERRIDE_ENV[endpoint]))
+    """Whether the environment names this endpoint's model: aliases do not move it then. Only the
+    default endpoints can be pinned so."""
+    return endpoint in TAG_OVERRIDE_ENV and bool(os.environ.get(TAG_OVERRIDE_ENV[endpoint]))
 
 
 def aliased(route: Route, aliases: Aliases) -> Route:
@@ -149,6 +192,6 @@ def update_manifest(routes: dict[str, Route], path: Path) -> ServingManifest:
     """Set the routes one pipeline run built and keep every other: building one recipe never drops
     another recipe's endpoint. A manifest that is there but invalid stops the update, named."""
     current = read_manifest(path) if path.exists() else ServingManifest()
-    updated = current.model_copy(update=routes)
+    updated = current.with_routes(routes)
     write_manifest(updated, path)
     return updated

@@ -41,7 +41,7 @@ from serving.engine import EngineSettings
 from serving.errors import Refused
 from serving.manifest import Route
 from serving.metrics import ModelMetrics
-from serving.model_runtime import load_runtime
+from serving.model_runtime import TextModelRuntime, load_runtime
 from serving.settings import front_workers, max_queue_rows, model_placement
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def in_process_model(
     )
     metrics = ModelMetrics(endpoint=endpoint, model=str(stored.tag))
     predict = at_lowest_priority(runtime.predict) if background else runtime.predict
-    return Batcher(predict, limits=limits, metrics=metrics, tokens=endpoint == "embed")
+    return Batcher(predict, limits=limits, metrics=metrics, tokens=isinstance(runtime, TextModelRuntime))
 
 
 def at_lowest_priority(predict: Callable[[Any], np.ndarray]) -> Callable[[Any], np.ndarray]:

@@ -2,9 +2,9 @@
 
 Each runs the route's ONNX session in one worker and declares `predict` batchable, so BentoML
 merges the calls of every front worker into the route's batches (serving/model_calls.py
-`RemoteModel` makes those calls). The two services differ only in their route and the rows they
-take, so one factory makes both; service.py names them at module level, where `bentoml.depends`
-and `bentoml serve` find them.
+`RemoteModel` makes those calls). The services differ only in their route and the rows they
+take, so one factory makes them all; service.py makes one per route and declares each a
+dependency of the front (`bentoml.depends`), where `bentoml serve` finds it.
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ from serving.engine import EngineSettings
 from serving.manifest import Route
 from serving.metrics import ModelMetrics
 from serving.model_calls import MODEL_CONNECTIONS
-from serving.model_runtime import load_runtime
+from serving.model_runtime import load_runtime, read_spec
+from serving.model_spec import Task
 from serving.settings import model_placement
 
 MODEL_SERVICE = {"workers": 1, "traffic": {"timeout": 120}, "runner_connection": MODEL_CONNECTIONS}
-# Each endpoint's rows as its model service's `predict` declares them: decoded images, or token ids.
-ROWS: dict[str, tuple[str, Any]] = {"classify": ("images", np.ndarray), "embed": ("token_ids", list[list[int]])}
+# Each task's rows as its model service's `predict` declares them: decoded images, or token ids.
+ROWS: dict[Task, tuple[str, Any]] = {
+    "image-classification": ("images", np.ndarray),
+    "text-embedding": ("token_ids", list[list[int]]),
+}
 
 
 class ModelService:
@@ -52,7 +56,7 @@ def model_service(name: str, endpoint: str, route: Route | None) -> bentoml.Serv
     in process, or where the manifest routes no model to `endpoint`."""
     if route is None or model_placement() != "service":
         return None
-    field, rows = ROWS[endpoint]
+    field, rows = ROWS[read_spec(bentoml.models.get(route.tag).info.metadata).task]
     predict = bentoml.api(
         input_spec=create_model("Input", __base__=bentoml.IODescriptor, **{field: (rows, Field())}),
         batchable=True,

@@ -31,7 +31,7 @@ ERROR_STATUSES = {
     500: "A fault of ours (details only in the server log)",
     503: "Overloaded: refused for its deadline (Retry-After), or no model configured",
 }
-ENDPOINTS = ("/classify", "/classify_batch", "/embed", "/embed_bulk")
+OPERATIONS = ("classify", "classify_batch", "embed", "embed_bulk")  # at / and at each model's /models/<name>/
 RAW_IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "application/octet-stream")
 TASK_STATES = ["in_progress", "completed", "failed", "canceled"]
 MODEL_TAG = {
@@ -56,17 +56,20 @@ def bentoml_error(description: str) -> dict[str, Any]:
 def amend(document: dict[str, Any]) -> dict[str, Any]:
     paths, schemas = document["paths"], document["components"]["schemas"]
     schemas["ErrorBody"] = ErrorBody.model_json_schema()
-    for path in ENDPOINTS:
+    endpoints = {path: path.rsplit("/", 1)[1] for path in paths if path.rsplit("/", 1)[1] in OPERATIONS}
+    for path in endpoints:
         operation = paths[path]["post"]
         operation["responses"] = {"200": operation["responses"]["200"], **error_responses()}
         operation["responses"]["200"]["headers"] = {MODEL_TAG_HEADER: MODEL_TAG}
     # BentoML keeps only the first member of a union: embeddings are float lists or base64 strings.
     embeddings = EmbedResponse.model_json_schema()["properties"]["embeddings"]
-    for path, method in (("/embed", "post"), ("/embed_bulk", "post"), ("/embed_bulk/get", "get")):
+    embedding = [(path, "post") for path, operation in endpoints.items() if operation.startswith("embed")]
+    for path, method in [*embedding, ("/embed_bulk/get", "get")]:
         schema = paths[path][method]["responses"]["200"]["content"]["application/json"]["schema"]
         schema["properties"]["embeddings"] = embeddings
     raw = {"schema": {"type": "string", "format": "binary"}}
-    paths["/classify"]["post"]["requestBody"]["content"].update(dict.fromkeys(RAW_IMAGE_TYPES, raw))
+    for path in (path for path, operation in endpoints.items() if operation == "classify"):
+        paths[path]["post"]["requestBody"]["content"].update(dict.fromkeys(RAW_IMAGE_TYPES, raw))
     status = schemas["TaskStatusResponse"]
     status["properties"]["status"]["enum"] = TASK_STATES
     status["required"] = ["task_id", "status"]  # submit and retry answer these two only

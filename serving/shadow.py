@@ -24,6 +24,7 @@ import numpy as np
 
 from serving.errors import Refused
 from serving.lifecycle import Slot, Split
+from serving.manifest import route_path
 from serving.metrics import ShadowMetrics
 from serving.model_calls import Observer
 
@@ -49,7 +50,7 @@ def compare_embeddings(primary: np.ndarray, shadow: np.ndarray) -> dict[str, np.
     return {"cosine": (primary * shadow).sum(axis=1) / np.maximum(norms, 1e-12)}
 
 
-COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]] = {
+COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]] = {  # by the models' kind
     "classify": compare_classes,
     "embed": compare_embeddings,
 }
@@ -87,7 +88,7 @@ async def _shadow(
             metrics.count("dropped")
             return
         except Exception:  # a fault of the shadow's is the shadow's: logged and counted, no one waits on it
-            logger.exception("/%s: the shadow %s failed", endpoint, front.tag)
+            logger.exception("%s: the shadow %s failed", route_path(endpoint), front.tag)
             metrics.count("failed")
             return
-    metrics.compared(COMPARE[endpoint](outputs, shadowed), {"primary": seconds, "shadow": elapsed})
+    metrics.compared(COMPARE[front.kind](outputs, shadowed), {"primary": seconds, "shadow": elapsed})

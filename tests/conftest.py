@@ -76,15 +76,35 @@ def new_version(stored):
 
 
 @pytest.fixture(scope="session")
+def digits_recipe() -> LoadedRecipe:
+    """The digits classifier, its teacher trained for a few epochs: a third model, served only at
+    its own path (/models/digits-classifier/...), as every recipe without a default endpoint is."""
+    loaded = load_recipe(REPO / "models" / "digits-classifier.yaml")
+    return quick(loaded, source=loaded.recipe.source.model_copy(update={"epochs": 3}))
+
+
+@pytest.fixture(scope="session")
+def digits_model(digits_recipe: LoadedRecipe) -> BuildResult:
+    return build(digits_recipe)
+
+
+@pytest.fixture(scope="session")
 def manifest_file(
-    built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe], tmp_path_factory
+    built_models: dict[str, BuildResult],
+    default_recipes: dict[str, LoadedRecipe],
+    digits_model: BuildResult,
+    digits_recipe: LoadedRecipe,
+    tmp_path_factory,
 ) -> Path:
+    """What `make serve` serves: both default models at the default endpoints, and the digits
+    classifier at its own path; every model also at /models/<name>/."""
+    built = [(default_recipes[name], result) for name, result in built_models.items()]
     routes = {
-        default_recipes[name].recipe.serving.endpoint: result.route(default_recipes[name])
-        for name, result in built_models.items()
+        loaded.recipe.serving.endpoint or loaded.name: result.route(loaded)
+        for loaded, result in [*built, (digits_recipe, digits_model)]
     }
     path = tmp_path_factory.mktemp("manifest") / "serving-manifest.json"
-    write_manifest(ServingManifest(**routes), path)
+    write_manifest(ServingManifest().with_routes(routes), path)
     return path
 
 

@@ -182,6 +182,7 @@ class Front:
 
     tag: str
     model: Batcher
+    kind: str = "embed"
 
     def close(self) -> None:
         self.model.close()

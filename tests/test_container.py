@@ -29,7 +29,10 @@ import yaml
 from podman_setup import LOCAL_BASE_IMAGE, RUN_FLAGS
 
 from bench.processes import free_port
+from pipeline.datasets import digits_split
 from sample_inputs import sample_photos
+from serving.manifest import read_manifest
+from tests.test_model_paths import png
 
 pytestmark = pytest.mark.slow
 
@@ -133,9 +136,8 @@ def requirement_names(text: str) -> dict[str, str]:
 
 
 def test_bento_carries_the_models_the_manifest_names(bento: Bento, manifest_file: Path) -> None:
-    manifest = json.loads(manifest_file.read_text())
-    wanted = {route["tag"] for route in manifest.values() if route}
-    assert len(wanted) == 2
+    wanted = {route.tag for route in read_manifest(manifest_file).routes().values()}
+    assert len(wanted) == 3
     assert bento_model_tags(bento.info) == wanted
 
 
@@ -287,6 +289,15 @@ def test_container_embeds_sentences(container: Container, manifest_file: Path) -
     assert vectors.shape == (3, 384) and body["dimensions"] == 384
     unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     assert unit[0] @ unit[1] > unit[0] @ unit[2] + 0.2
+
+
+def test_container_serves_the_digits_classifier_at_its_own_path(container: Container, manifest_file: Path) -> None:
+    digit = png(digits_split("held-out").rows[0])
+    response = httpx.post(
+        f"{container.url}/models/digits-classifier/classify", content=digit, headers={"content-type": "image/png"}
+    )
+    assert response.status_code == 200, f"{response.text}\n{container.logs()}"
+    assert response.json()["model"] == read_manifest(manifest_file).models["digits-classifier"].tag
 
 
 @dataclass(frozen=True)

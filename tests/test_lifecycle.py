@@ -21,10 +21,12 @@ import pytest
 from conftest import RunningServer, new_version, own_home, serving
 from scrape import samples
 
+from pipeline.datasets import digits_split
 from sample_inputs import sample_photos
 from serving.aliases import Version, aliases_path, read_aliases
 from serving.files import write_atomically
 from serving.manifest import Share, read_manifest, write_manifest
+from tests.test_model_paths import PNG, png
 
 pytestmark = pytest.mark.slow
 
@@ -194,6 +196,16 @@ def wait_logged(log: Path, text: str) -> None:
     while text not in log.read_text():
         assert time.monotonic() < deadline, f"the server did not log {text!r} within {SWAP_TIMEOUT_S} s"
         time.sleep(0.2)
+
+
+def test_a_model_at_its_own_path_follows_its_alias_too(lifecycle, digits_model) -> None:
+    rebuilt = str(new_version(digits_model.model).tag)
+    digit = png(digits_split("held-out").rows[0])
+    assert pipeline_command("promote", rebuilt, manifest=lifecycle.manifest).returncode == 0
+    wait_logged(lifecycle.log, f"/models/digits-classifier: digits-classifier@stable → {rebuilt}, loaded and warmed up")
+    with lifecycle.server.client() as client:
+        answer = client.post("/models/digits-classifier/classify", content=digit, headers=PNG)
+    assert answer.status_code == 200 and answer.json()["model"] == rebuilt
 
 
 def test_a_canary_takes_its_share_of_request_ids_and_a_retry_stays_on_its_side(lifecycle) -> None:

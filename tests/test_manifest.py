@@ -35,6 +35,39 @@ def test_building_one_served_recipe_replaces_its_route_only(served: Path) -> Non
     assert read_manifest(served) == ServingManifest(classify=IMAGE, embed=newer)
 
 
+DIGITS = route("digits-classifier:ddd", "digits-classifier")
+
+
+def test_a_model_without_a_default_endpoint_is_routed_by_its_name(served: Path) -> None:
+    manifest = update_manifest({"digits-classifier": DIGITS}, served)
+    assert manifest == ServingManifest(classify=IMAGE, embed=TEXT, models={"digits-classifier": DIGITS})
+    assert list(read_manifest(served).routes()) == ["classify", "embed", "digits-classifier"]
+
+
+def test_a_model_moved_to_a_default_endpoint_leaves_its_own_route(served: Path) -> None:
+    update_manifest({"digits-classifier": DIGITS}, served)
+    assert update_manifest({"classify": DIGITS}, served) == ServingManifest(classify=DIGITS, embed=TEXT)
+
+
+def test_a_model_moved_off_its_default_endpoint_leaves_the_endpoint(served: Path) -> None:
+    manifest = update_manifest({"image-classifier": IMAGE}, served)
+    assert manifest == ServingManifest(embed=TEXT, models={"image-classifier": IMAGE})
+
+
+@pytest.mark.parametrize(
+    ("models", "message"),
+    [
+        ({"digits": DIGITS}, "models.digits: the route serves 'digits-classifier'"),
+        ({"image-classifier": IMAGE}, "'image-classifier' is already served by the 'classify' route"),
+    ],
+)
+def test_a_model_route_serves_the_model_it_is_named_after_once(models: dict[str, Route], message: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        ServingManifest(classify=IMAGE, models=models)
+
+
 def test_the_first_run_creates_the_manifest(tmp_path: Path) -> None:
     path = tmp_path / "serving-manifest.json"
     update_manifest({"classify": IMAGE}, path)

@@ -1,0 +1,118 @@
+"""Every served model at its own path, /models/<name>/<endpoint>, with its own batcher; the default
+endpoints keep their models. Against the session's real server, which also serves the digits
+classifier (tests/conftest.py `manifest_file`)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.datasets import digits_split
+from sample_inputs import sample_photos
+from serving.engine import EngineSettings
+from serving.model_runtime import load_runtime
+from tests.scrape import samples
+
+DIGITS = "/models/digits-classifier"
+PNG = {"content-type": "image/png"}
+
+
+def png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def held_out_digits() -> list[np.ndarray]:
+    return digits_split("held-out").rows[:24]
+
+
+def test_the_digits_classifier_answers_at_its_own_path_as_its_session_does(
+    server, digits_model, held_out_digits
+) -> None:
+    rows = held_out_digits
+    runtime = load_runtime("digits", digits_model.model, max_batch_size=8, settings=EngineSettings.from_environment())
+    expected = runtime.predict(np.stack(rows)).argmax(axis=1)
+    tag = str(digits_model.model.tag)
+    with server.client() as client:
+        answers = [client.post(f"{DIGITS}/classify", content=png(r), headers=PNG) for r in rows]
+    assert {a.status_code for a in answers} == {200}
+    assert {a.json()["model"] for a in answers} == {a.headers["x-model-tag"] for a in answers} == {tag}
+    assert [a.json()["predictions"][0]["class_id"] for a in answers] == expected.tolist()
+
+
+def test_the_digits_classifier_takes_batches_at_its_own_path(server, digits_model, held_out_digits) -> None:
+    rows = held_out_digits
+    files = [("images", (f"{i}.png", png(r), "image/png")) for i, r in enumerate(rows[:6])]
+    with server.client() as client:
+        answer = client.post(f"{DIGITS}/classify_batch", files=files, params={"top_k": 3})
+    assert answer.status_code == 200, answer.text
+    results = answer.json()["results"]
+    assert [len(r) for r in results] == [3] * 6
+    assert answer.json()["model"] == str(digits_model.model.tag)
+
+
+def batches(client) -> dict[str, float]:
+    """Engine calls so far, by route."""
+    return {labels["endpoint"]: value for labels, value in samples(client, "optiserve_batch_rows_count")}
+
+
+def test_each_model_has_its_own_batcher(server, held_out_digits) -> None:
+    rows = held_out_digits
+    with server.client() as client:
+        before = batches(client)
+        for pixels in rows[:4]:
+            assert client.post(f"{DIGITS}/classify", content=png(pixels), headers=PNG).is_success
+        after = batches(client)
+    assert after["digits-classifier"] >= before.get("digits-classifier", 0) + 1
+    assert after.get("classify", 0) == before.get("classify", 0)
+
+
+def test_the_default_endpoints_keep_their_models_and_share_them_with_the_models_paths(server, built_models) -> None:
+    image, text = (str(built_models[name].model.tag) for name in ("image-classifier", "text-embedder"))
+    photo = {"image": ("chelsea.jpg", sample_photos()["chelsea"], "image/jpeg")}
+    sentence = {"texts": ["A model is served at its own path as well."]}
+    with server.client() as client:
+        by_default = client.post("/classify", files=photo)
+        by_name = client.post("/models/image-classifier/classify", files=photo)
+        embedded = client.post("/embed", json=sentence)
+        embedded_by_name = client.post("/models/text-embedder/embed", json=sentence)
+    assert by_default.json()["model"] == by_name.json()["model"] == image
+    assert by_default.json()["predictions"] == by_name.json()["predictions"]
+    assert embedded.json()["model"] == embedded_by_name.json()["model"] == text
+    assert np.allclose(embedded.json()["embeddings"], embedded_by_name.json()["embeddings"])
+
+
+@pytest.mark.parametrize("path", ["/models/no-such-model/classify", "/models/text-embedder/classify"])
+def test_a_path_no_model_answers_is_a_json_404_naming_the_models_endpoints(server, path: str) -> None:
+    with server.client() as client:
+        answer = client.post(path, content=b"\x89PNG", headers=PNG)
+    assert answer.status_code == 404
+    assert answer.json()["type"] == "not_found"
+    assert path in answer.json()["error"]
+    assert f"{DIGITS}/classify" in answer.json()["error"]
+    assert "/models/text-embedder/embed" in answer.json()["error"]
+
+
+def test_the_openapi_document_lists_each_models_endpoints_with_their_statuses(server) -> None:
+    with server.client() as client:
+        paths = client.get("/docs.json").json()["paths"]
+    for path in (f"{DIGITS}/classify", f"{DIGITS}/classify_batch", "/models/text-embedder/embed"):
+        assert {"200", "413", "422", "429", "503"} <= set(paths[path]["post"]["responses"])
+    assert "image/png" in paths[f"{DIGITS}/classify"]["post"]["requestBody"]["content"]
+    assert "/models/digits-classifier/embed" not in paths
+
+
+def test_the_model_services_placement_serves_the_digits_classifier_in_its_own_service(
+    model_services_server, digits_model, held_out_digits
+) -> None:
+    rows = held_out_digits
+    with model_services_server.client() as client:
+        answer = client.post(f"{DIGITS}/classify", content=png(rows[0]), headers=PNG)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == str(digits_model.model.tag)
+    assert "DigitsClassifierModel" in model_services_server.log.read_text()
