@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
+from conftest import own_home, serving
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from sample_inputs import sample_photos
 from serving.tracing import sane_request_id
@@ -117,3 +124,65 @@ def test_each_request_is_one_json_line_in_the_access_log(server) -> None:
     assert (other["path"], other["status"], other["model"]) == ("/no-such-path", 404, None)
     log = server.log.read_text(errors="replace")
     assert "path=/embed" not in log, "BentoML's own access line is still written beside ours"
+
+
+@contextmanager
+def otlp_collector() -> Iterator[tuple[str, list[ExportTraceServiceRequest]]]:
+    """An OTLP/HTTP trace collector on a free port: what BentoML's exporter sends, parsed."""
+    received: list[ExportTraceServiceRequest] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["content-length"]))
+            received.append(ExportTraceServiceRequest.FromString(body))
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", received
+    finally:
+        server.shutdown()
+
+
+def exported_spans(received: list[ExportTraceServiceRequest]) -> list[tuple[str, str, str]]:
+    """(trace id, service name, span name) of every span exported so far."""
+    spans = []
+    for request in list(received):
+        for resource in request.resource_spans:
+            service = next(a.value.string_value for a in resource.resource.attributes if a.key == "service.name")
+            spans += [(s.trace_id.hex(), service, s.name) for scope in resource.scope_spans for s in scope.spans]
+    return spans
+
+
+@pytest.mark.slow
+def test_bentomls_own_tracing_settings_export_each_requests_trace_over_otlp(manifest_file: Path, tmp_path) -> None:
+    with otlp_collector() as (url, received):
+        tracing = {
+            "exporter_type": "otlp",
+            "sample_rate": 1.0,
+            "otlp": {"protocol": "http", "endpoint": f"{url}/v1/traces"},
+        }
+        config = tmp_path / "bentoml.yaml"
+        config.write_text(yaml.safe_dump({"services": {"optiserve": {"tracing": tracing}}}))
+        home = own_home(tmp_path / "home")
+        with serving(manifest_file, tmp_path / "bentoml.log", BENTOML_CONFIG=str(config), BENTOML_HOME=home) as server:
+            with server.client() as client:
+                answer = client.post("/embed", json={"texts": ["traced"]}, headers={"X-Request-ID": "otlp-1"})
+            assert answer.status_code == 200
+            (line,) = access_lines(server.log, "otlp-1")
+            deadline = time.monotonic() + 30  # the batch span processor exports every 5 s
+            while not any(trace == line["trace_id"] for trace, _, _ in exported_spans(received)):
+                assert time.monotonic() < deadline, (
+                    f"no span of trace {line['trace_id']} exported: {exported_spans(received)}"
+                )
+                time.sleep(0.2)
+    ours = [(service, name) for trace, service, name in exported_spans(received) if trace == line["trace_id"]]
+    assert ("optiserve", "POST /embed") in ours, ours
