@@ -39,7 +39,7 @@ NOT_OBJECTS = {"kustomization.yaml", "prometheus-scrape.yaml"}
 BENTOML_PORT = 3000
 IN_PROGRESS_METRIC = "bentoml_service_request_in_progress"
 PROBE_PATHS = re.compile(r"/\(livez\|readyz\|healthz\|metrics\)")
-MODEL_APIS = re.compile(r'endpoint=~"/\(classify\|classify_batch\|embed\)"')  # selects no probe either
+MODEL_APIS = re.compile(r'endpoint=~"\(/models/\[\^/\]\+\)\?/\(classify\|classify_batch\|embed\)"')  # no probe either
 
 
 def load_objects() -> dict[str, list[dict]]:

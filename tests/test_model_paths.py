@@ -5,10 +5,13 @@ classifier (tests/conftest.py `manifest_file`)."""
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pytest
 from PIL import Image
+from promql_parser import MatchOp
+from test_deploy import monitoring_queries, parsed, selectors
 
 from pipeline.datasets import digits_split
 from sample_inputs import sample_photos
@@ -116,3 +119,19 @@ def test_the_model_services_placement_serves_the_digits_classifier_in_its_own_se
     assert answer.status_code == 200, answer.text
     assert answer.json()["model"] == str(digits_model.model.tag)
     assert "DigitsClassifierModel" in model_services_server.log.read_text()
+
+
+def test_the_alerts_and_panels_on_request_paths_watch_every_models_endpoints(server) -> None:
+    """Their `endpoint` matcher (BentoML's metrics label it with the path) matches each model's
+    own paths as well as the default ones, as Prometheus matches: the whole value."""
+    with server.client() as client:
+        paths = client.get("/docs.json").json()["paths"]
+    served = [path for path in paths if path.rsplit("/", 1)[1] in ("classify", "classify_batch", "embed")]
+    assert f"{DIGITS}/classify" in served and "/classify" in served
+    for where, expr in monitoring_queries().items():
+        for selector in selectors(parsed(expr)):
+            for matcher in selector.matchers.matchers:
+                is_path = (matcher.name, matcher.op) == ("endpoint", MatchOp.Re)
+                if selector.name.startswith("bentoml_service_request") and is_path:
+                    unmatched = [path for path in served if not re.fullmatch(matcher.value, path)]
+                    assert unmatched == [], f"{where}: {matcher.value!r} misses {unmatched}"
