@@ -62,6 +62,7 @@ if not routes:
     raise RuntimeError("the serving manifest routes no model: nothing to serve")
 door_guards: dict[str, Guard] = {}  # filled once the models are loaded (serving/door.py)
 refusal_pacer = RefusalPacer.from_environment()
+kinds = {name: kind_of(name, route) for name, route in routes.items()}
 # Under the `service` placement, one model service per route, a dependency of the front's (else None).
 model_services = {name: model_service(service_name(route.recipe), name, route) for name, route in routes.items()}
 
@@ -81,7 +82,7 @@ class Optiserve:
             # A canary or a shadow joins once the alias watcher has loaded it, within seconds of the start.
             split = Split.of(route, open_front(name, stored, route, service))
             cache = ResponseCache.of_megabytes(route.cache_mb, endpoint=name)
-            self.routes[name] = api.Routed(name, route.recipe, kind_of(name, route), split, cache)
+            self.routes[name] = api.Routed(name, route.recipe, kinds[name], split, cache)
         self.watcher = AliasWatcher.watching(
             aliases_path(manifest_path()), routes, {name: self.routes[name].split for name in routes}
         )
@@ -153,7 +154,7 @@ for _name, _route in routes.items():
     setattr(Optiserve, f"stored_{identifier(_name)}", bentoml.models.BentoModel(_route.tag))
     if model_services[_name] is not None:
         setattr(Optiserve, f"model_{identifier(_name)}", bentoml.depends(model_services[_name]))
-    for _operation in api.OPERATIONS[kind_of(_name, _route)]:
+    for _operation in api.OPERATIONS[kinds[_name]]:
         setattr(Optiserve, *model_endpoint(_name, _route.recipe, _operation))
 
 # BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG).

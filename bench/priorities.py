@@ -61,16 +61,10 @@ async def normal_beside_flood(url: str, normal: list, flood: list, args: argpars
 
 
 def summarize(run: dict) -> dict[str, Any]:
-    from bench.serving import phase_figures
+    from bench.serving import phases_around
 
-    marks, recorder, wrk = run["marks"], run["outcomes"], run["wrk"]
-    phases = {
-        "unloaded_before": phase_figures(recorder, marks["start"], marks["flood_start"]),
-        "during_flood": phase_figures(recorder, marks["flood_start"], marks["flood_end"]),
-        "unloaded_after": phase_figures(recorder, marks["flood_end"], marks["end"]),
-    }
-    reference, during = phases["unloaded_before"]["latency_ms"], phases["during_flood"]["latency_ms"]
-    ratio = during["p99"] / reference["p99"] if during and reference else None
+    wrk = run["wrk"]
+    phases, target = phases_around(run["outcomes"], run["marks"], "flood", ("flood_start", "flood_end"), P99_WITHIN)
     return {
         "flood": {
             "answers_per_s": wrk.requests / wrk.seconds,
@@ -78,11 +72,7 @@ def summarize(run: dict) -> dict[str, Any]:
             "refused_share": wrk.errors["status"] / max(1, wrk.requests),
         },
         "phases": phases,
-        "target": {
-            "p99_during_vs_unloaded": ratio,
-            "target": f"<= {P99_WITHIN}",
-            "met": ratio is not None and ratio <= P99_WITHIN,
-        },
+        "target": target,
     }
 
 

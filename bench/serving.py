@@ -550,6 +550,23 @@ def phase_figures(recorder: Any, start: float, end: float) -> dict[str, Any]:
     }
 
 
+def phases_around(
+    recorder: Any, marks: dict[str, float], during: str, span: tuple[str, str], within: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`phase_figures` before, during and after a span of a run under one load (`marks` from its
+    "start" to its "end"), and the target on them: p99 during the span within `within` × before."""
+    begin, end = (marks[key] for key in span)
+    phases = {
+        "unloaded_before": phase_figures(recorder, marks["start"], begin),
+        f"during_{during}": phase_figures(recorder, begin, end),
+        "unloaded_after": phase_figures(recorder, end, marks["end"]),
+    }
+    reference, loaded = phases["unloaded_before"]["latency_ms"], phases[f"during_{during}"]["latency_ms"]
+    ratio = loaded["p99"] / reference["p99"] if loaded and reference else None
+    target = {"p99_during_vs_unloaded": ratio, "target": f"<= {within}", "met": ratio is not None and ratio <= within}
+    return phases, target
+
+
 def phase_table(title: str, phases: dict[str, dict], extra: dict[str, Callable[[dict], str]] | None = None) -> Any:
     """A table of `phase_figures` phases; `extra` adds columns (header → a phase's cell)."""
     from rich.table import Table
