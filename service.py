@@ -23,6 +23,7 @@ from starlette.responses import Response
 from serving import api
 from serving.aliases import aliases_path
 from serving.cache import ResponseCache
+from serving.direct import DirectEndpoints, Handler
 from serving.door import Door, Guard, RefusalPacer
 from serving.lifecycle import AliasWatcher, Split, front_class, open_front
 from serving.manifest import DEFAULT_ENDPOINTS, Route, load_manifest, manifest_path, model_path
@@ -61,6 +62,7 @@ routes = manifest.routes()
 if not routes:
     raise RuntimeError("the serving manifest routes no model: nothing to serve")
 door_guards: dict[str, Guard] = {}  # filled once the models are loaded (serving/door.py)
+direct_handlers: dict[str, Handler] = {}  # the same (serving/direct.py)
 refusal_pacer = RefusalPacer.from_environment()
 kinds = {name: kind_of(name, route) for name, route in routes.items()}
 # Under the `service` placement, one model service per route, a dependency of the front's (else None).
@@ -87,6 +89,7 @@ class Optiserve:
             aliases_path(manifest_path()), routes, {name: self.routes[name].split for name in routes}
         )
         door_guards.update(api.door_guards(self.routes))
+        direct_handlers.update(api.direct_handlers(self))
         freeze_startup_heap()
 
     @bentoml.on_startup
@@ -164,3 +167,4 @@ Optiserve = bentoml.service(
 Optiserve.add_asgi_middleware(RequestTracing)  # the outermost of ours: refusals at the door carry its headers too
 Optiserve.add_asgi_middleware(Door, guards=door_guards, pacer=refusal_pacer)
 Optiserve.add_asgi_middleware(AmendedOpenAPI, service=Optiserve)
+Optiserve.add_asgi_middleware(DirectEndpoints, handlers=direct_handlers)

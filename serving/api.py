@@ -136,30 +136,49 @@ class ErrorAnswer:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-async def answer(
-    ctx: bentoml.Context, endpoint: Callable[[Routed, Request], Awaitable[Answer]], front: Front, route: str
-) -> Answer | Response:
-    """`endpoint`'s answer, on the route named `route`, to the request BentoML is serving, with the
-    model's tag in a header, or its error as our JSON body and status. BentoML sets an API's status
-    and headers from its context: both go there."""
+async def outcome(
+    endpoint: Callable[[Routed, Request], Awaitable[Answer]], front: Front, route: str, request: Request
+) -> Answer | CachedAnswer | ErrorAnswer:
+    """`endpoint`'s answer to `request` on the route named `route`, or its error, counted."""
     routed = front.routes[route]
     try:
-        result = await endpoint(routed, UNREAD_REQUEST.get())
-        if isinstance(result, CachedAnswer):
-            return result.response()
+        return await endpoint(routed, request)
     except Refused as exc:
         if front.refusal_pacer is not None:
             await front.refusal_pacer.pace()
-        error = error_answer(exc)
+        return error_answer(exc)
     except Exception as exc:
         error = error_answer(exc)
         record_error(routed, endpoint.__name__, exc, error)
-    else:
-        ctx.response.headers[MODEL_TAG_HEADER] = result.model
-        return result
-    ctx.response.status_code = error.status
-    ctx.response.headers.update(error.headers)
-    return JSONResponse(error.body, status_code=error.status)
+        return error
+
+
+async def answer(
+    ctx: bentoml.Context, endpoint: Callable[[Routed, Request], Awaitable[Answer]], front: Front, route: str
+) -> Answer | Response:
+    """`outcome` for the request BentoML's API handler is serving, with the model's tag in a
+    header. BentoML sets an API's status and headers from its context: both go there."""
+    result = await outcome(endpoint, front, route, UNREAD_REQUEST.get())
+    if isinstance(result, CachedAnswer):
+        return result.response()
+    if isinstance(result, ErrorAnswer):
+        ctx.response.status_code = result.status
+        ctx.response.headers.update(result.headers)
+        return JSONResponse(result.body, status_code=result.status)
+    ctx.response.headers[MODEL_TAG_HEADER] = result.model
+    return result
+
+
+async def respond(
+    endpoint: Callable[[Routed, Request], Awaitable[Answer]], front: Front, route: str, request: Request
+) -> Response:
+    """`outcome` as the response itself: what BentoML's handler would send for it (serving/direct.py)."""
+    result = await outcome(endpoint, front, route, request)
+    if isinstance(result, CachedAnswer):
+        return result.response()
+    if isinstance(result, ErrorAnswer):
+        return JSONResponse(result.body, status_code=result.status, headers=result.headers)
+    return Response(result.model_dump_json(), media_type="application/json", headers={MODEL_TAG_HEADER: result.model})
 
 
 def error_answer(exc: Exception) -> ErrorAnswer:
@@ -438,3 +457,23 @@ def embed_response(texts: TextEmbedder, body: EmbedRequest, vectors: Any, tokens
         embeddings=encoded,
         tokens=tokens,
     )
+
+
+# Each operation's endpoint function, by the last segment of its paths.
+ENDPOINTS = {"classify": classify, "classify_batch": classify_batch, "embed": embed}
+
+
+def direct_handlers(front: Front) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+    """What answers each served model path's requests in serving/direct.py: `respond` with the
+    path's endpoint, on its route."""
+
+    def handler(path: str, route: str) -> Callable[[Request], Awaitable[Response]]:
+        endpoint = ENDPOINTS[path.rsplit("/", 1)[1]]
+        return lambda request: respond(endpoint, front, route, request)
+
+    return {
+        path: handler(path, name)
+        for name, routed in front.routes.items()
+        if routed.split is not None
+        for path in routed.paths()
+    }
