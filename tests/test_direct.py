@@ -83,8 +83,9 @@ def test_a_browsers_request_gets_bentomls_cors_headers(manifest_file: Path, tmp_
     config = tmp_path / "bentoml.yaml"
     config.write_text(yaml.safe_dump({"services": {"optiserve": {"http": {"cors": cors}}}}))
     home = own_home(tmp_path / "home")
-    with serving(manifest_file, tmp_path / "bentoml.log", BENTOML_CONFIG=str(config), BENTOML_HOME=home) as server:
-        with server.client() as client:
-            answer = client.post("/embed", json={"texts": ["from a web page"]}, headers=BROWSER)
+    log = tmp_path / "bentoml.log"
+    env = {"BENTOML_CONFIG": str(config), "BENTOML_HOME": home}
+    with serving(manifest_file, log, **env) as server, server.client() as client:
+        answer = client.post("/embed", json={"texts": ["from a web page"]}, headers=BROWSER)
     assert answer.status_code == 200, answer.text
     assert answer.headers["access-control-allow-origin"] == BROWSER["Origin"]
