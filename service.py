@@ -24,7 +24,7 @@ from serving import api
 from serving.aliases import aliases_path
 from serving.cache import ResponseCache
 from serving.direct import DirectEndpoints, Handler
-from serving.door import Door, Guard, RefusalPacer
+from serving.door import Door, EarlyRetries, Guard
 from serving.lifecycle import AliasWatcher, Split, front_class, open_front
 from serving.manifest import DEFAULT_ENDPOINTS, Route, load_manifest, manifest_path, model_path
 from serving.model_services import model_service
@@ -63,7 +63,7 @@ if not routes:
     raise RuntimeError("the serving manifest routes no model: nothing to serve")
 door_guards: dict[str, Guard] = {}  # filled once the models are loaded (serving/door.py)
 direct_handlers: dict[str, Handler] = {}  # the same (serving/direct.py)
-refusal_pacer = RefusalPacer.from_environment()
+early_retries = EarlyRetries.from_environment()
 kinds = {name: kind_of(name, route) for name, route in routes.items()}
 # Under the `service` placement, one model service per route, a dependency of the front's (else None).
 model_services = {name: model_service(service_name(route.recipe), name, route) for name, route in routes.items()}
@@ -72,7 +72,7 @@ model_services = {name: model_service(service_name(route.recipe), name, route) f
 class Optiserve:
     """Image classification and text embedding, each from a stored, measured ONNX model."""
 
-    refusal_pacer = refusal_pacer
+    early_retries = early_retries
 
     def __init__(self) -> None:
         self.routes: dict[str, api.Routed] = {
@@ -165,6 +165,6 @@ Optiserve = bentoml.service(
     name="optiserve", workers=front_workers(), traffic={"timeout": 120}, logging={"access": {"enabled": False}}
 )(Optiserve)
 Optiserve.add_asgi_middleware(RequestTracing)  # the outermost of ours: refusals at the door carry its headers too
-Optiserve.add_asgi_middleware(Door, guards=door_guards, pacer=refusal_pacer)
+Optiserve.add_asgi_middleware(Door, guards=door_guards, early_retries=early_retries)
 Optiserve.add_asgi_middleware(AmendedOpenAPI, service=Optiserve)
 Optiserve.add_asgi_middleware(DirectEndpoints, handlers=direct_handlers)

@@ -17,7 +17,7 @@ The SLO is the route's `max_latency_ms`, the deadline the service admits request
 `--deadline-ms` has the flood's clients send a shorter one (X-Deadline-Ms), which the accepted
 requests are then held to: at the default deadline a flood of a few times the knee is usually
 admitted whole, and this shows the refusals. The flood's clients retry the instant they are
-answered, refused or not, the worst case for the service (serving/door.py paces refusals);
+answered, refused or not, the worst case for the service (serving/door.py holds their refusals);
 with `--honour-retry-after` a refused client waits as long as its Retry-After asks first.
 A table, JSON and a timeline plot per endpoint go to reports/bench/.
 """

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from serving.cache import ResponseCache, cache_key
 from serving.classify import ImageClassifier, ImageUpload
-from serving.door import DEADLINE_HEADER, Guard, RefusalPacer, parse_deadline_ms
+from serving.door import DEADLINE_HEADER, EarlyRetries, Guard, parse_deadline_ms
 from serving.embed import TextEmbedder, encode_base64_f16
 from serving.errors import (
     BodyTimeout,
@@ -77,7 +77,7 @@ class Front(Protocol):
     """What the front BentoML service instance offers the endpoints."""
 
     routes: dict[str, Routed]  # by name; the default endpoints always, their split None if unrouted
-    refusal_pacer: RefusalPacer | None  # shared with serving/door.py
+    early_retries: EarlyRetries | None  # shared with serving/door.py
 
 
 MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
@@ -144,8 +144,8 @@ async def outcome(
     try:
         return await endpoint(routed, request)
     except Refused as exc:
-        if front.refusal_pacer is not None:
-            await front.refusal_pacer.pace()
+        if front.early_retries is not None:
+            await front.early_retries.hold(request.client, exc)
         return error_answer(exc)
     except Exception as exc:
         error = error_answer(exc)

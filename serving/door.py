@@ -1,4 +1,4 @@
-"""Overload refused at the door, and refusals paced so that they cannot take the event loop.
+"""Overload refused at the door, and early retries held so that refusals cannot take the event loop.
 
 Admission in the handler (serving/batching.py `admit`) protects the engine, but a request gets
 there only after BentoML's middleware and Starlette's routing and, for /embed, its JSON. `Door`,
@@ -12,12 +12,15 @@ Cheap refusals are not enough on their own. Clients that retry the instant they 
 the more of them: measured with 256 such connections on /classify, 2 cores, refusing at the door
 instead of in the handler raised refusals from 470 to 750 a second and cut goodput from 14 to
 4 requests/s, because admitted requests waited behind hundreds of refusals for every step of
-their body, decoding and answer. So refusals are paced (`RefusalPacer`): up to a rate
-(OPTISERVE_REFUSALS_PER_S, per worker) they are answered at once; beyond it each is held, costing
-nothing but a timer, until its turn. A client that honours Retry-After never notices; one that
-hammers is slowed to the rate, and the requests that were let in keep the loop (the same storm:
-goodput 1.2 requests/s refusing in the handler, 10.7 paced at 200 a second, 15.2 at 50, on a
-busy host; RELIABILITY.md).
+their body, decoding and answer. So a connection that comes back before the `Retry-After` of
+its last refusal, and is refused again, has that refusal held (`EarlyRetries`) until the time
+it was asked to wait, costing nothing but a timer: a client that hammers gets one refusal per
+`Retry-After`, and the requests that were let in keep the loop. A client that waits as asked, or
+a new connection, is answered at once however many arrive together; a pacer of refusals per
+second, the rule before, could not tell those from a storm and held them 1.4-1.8 s (p99) at 4 ×
+the knee (RELIABILITY.md). A connection is not always one client: behind a proxy that pools
+connections, a patient client's refusal may be held for another's haste, never longer than a
+`Retry-After`. `OPTISERVE_HOLD_EARLY_RETRIES=0` answers every refusal at once.
 
 A path below /models/ that no served model answers gets its 404 here too, in our error schema and
 naming the models' endpoints, where BentoML's would be a bare "Not Found".
@@ -32,14 +35,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from http import HTTPStatus
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.errors import InvalidInput, Refused
 from serving.metrics import count_held_refusal
-from serving.settings import refusals_per_s
+from serving.settings import hold_early_retries
 from serving.tracing import REQUEST_ID_KEY
 
 DEADLINE_HEADER = "X-Deadline-Ms"
@@ -47,42 +51,47 @@ DEADLINE_HEADER_KEY = DEADLINE_HEADER.lower().encode()
 MAX_DEADLINE_MS = 600_000
 # A refused request's body is read up to this size, so that its connection can serve the next one.
 DRAIN_LIMIT_BYTES = 1024 * 1024
-# A refusal is never held longer than this: past it, a backlog of refusals is answered as it comes.
+# A refusal is never held longer than this, whatever Retry-After it follows.
 MAX_HOLD_S = 5.0
+# A connection back before this share of its last Retry-After came back early (clocks and timers differ).
+EARLY_SHARE = 0.9
+PRUNE_AT = 4096  # connections remembered before those whose Retry-After has ended are forgotten
 MODELS_PREFIX = "/models/"  # each model's own endpoints (service.py); an unknown one is answered here
+
+Connection = tuple[Any, ...]  # the client's (host, port), as ASGI's scope has it: one per TCP connection
 
 # The refusal a model endpoint's queue gives now (None: let the request in), for the client's
 # deadline in milliseconds and the request's id (its side of a canary split), if it sent them.
 Guard = Callable[[float | None, str | None], Refused | None]
 
 
-class RefusalPacer:
-    """Refusals at `rate_per_s` on average, `burst` at once: a generic cell rate algorithm, so a
-    burst is answered without delay and only a sustained excess waits, in arrival order."""
+class EarlyRetries:
+    """When each connection refused lately may be answered its next refusal at once (see above)."""
 
-    def __init__(self, rate_per_s: float, *, burst: int, on_hold: Callable[[], None] | None = None) -> None:
-        if rate_per_s <= 0 or burst < 1:
-            raise ValueError(f"refusal pacing needs a positive rate and burst, got {rate_per_s}/s, {burst}")
-        self.interval = 1 / rate_per_s
-        self.tolerance = (burst - 1) * self.interval
+    def __init__(self, *, on_hold: Callable[[], None] | None = None) -> None:
         self.on_hold = on_hold
-        self._theoretical = 0.0  # when the next refusal would be due at the exact rate
+        self._due: dict[Connection, float] = {}  # connection → when its Retry-After ends
 
-    def delay(self, now: float) -> float:
-        """Seconds the refusal arriving at `now` waits, its turn taken."""
-        due = max(self._theoretical, now)
-        wait = min(MAX_HOLD_S, max(0.0, due - self.tolerance - now))
-        self._theoretical = due + self.interval
+    def delay(self, connection: Connection | None, now: float, retry_after_s: float) -> float:
+        """Seconds the refusal of `connection` arriving at `now` is held; it then asks the client
+        to wait `retry_after_s`. A connection the server cannot name (None) is never held."""
+        if connection is None:
+            return 0.0
+        wait = min(MAX_HOLD_S, max(0.0, self._due.get(connection, 0.0) - now))
+        self._due[connection] = now + wait + EARLY_SHARE * retry_after_s
+        if len(self._due) > PRUNE_AT:
+            self._due = {key: due for key, due in self._due.items() if due > now}
         return wait
 
     @classmethod
-    def from_environment(cls) -> RefusalPacer | None:
-        """Pacing at OPTISERVE_REFUSALS_PER_S with a fifth of a second's burst; None where it is 0."""
-        rate = refusals_per_s()
-        return cls(rate, burst=max(1, round(rate / 5)), on_hold=count_held_refusal) if rate > 0 else None
+    def from_environment(cls) -> EarlyRetries | None:
+        """Holding early retries, counted in the metrics; None where OPTISERVE_HOLD_EARLY_RETRIES=0."""
+        return cls(on_hold=count_held_refusal) if hold_early_retries() else None
 
-    async def pace(self) -> None:
-        wait = self.delay(time.monotonic())
+    async def hold(self, client: Sequence[Any] | None, refusal: Refused) -> None:
+        """Waits as long as the refusal of the connection from `client` (ASGI's (host, port)) is held."""
+        connection = None if client is None else tuple(client)
+        wait = self.delay(connection, time.monotonic(), float(refusal.headers["Retry-After"]))
         if wait > 0:
             if self.on_hold is not None:
                 self.on_hold()
@@ -92,12 +101,12 @@ class RefusalPacer:
 class Door:
     """ASGI middleware refusing what a guarded path's model cannot answer in time (see above)."""
 
-    def __init__(self, app: ASGIApp, *, guards: Mapping[str, Guard], pacer: RefusalPacer | None) -> None:
+    def __init__(self, app: ASGIApp, *, guards: Mapping[str, Guard], early_retries: EarlyRetries | None) -> None:
         """`guards` may be filled after the app is built: the service's models load later. No
-        `pacer`: refusals are answered at once, however many."""
+        `early_retries`: refusals are answered at once, however soon a client comes back."""
         self.app = app
         self.guards = guards
-        self.pacer = pacer
+        self.early_retries = early_retries
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(MODELS_PREFIX) and scope["path"] not in self.guards:
@@ -109,8 +118,8 @@ class Door:
         if refusal is None:
             await self.app(scope, receive, send)
             return
-        if self.pacer is not None:
-            await self.pacer.pace()
+        if self.early_retries is not None:
+            await self.early_retries.hold(scope.get("client"), refusal)
         drained = await drain(receive)
         await refuse(send, refusal, close=not drained)
 

@@ -121,6 +121,9 @@ class OpenVinoEngine:
     # of real sentences ran at 605 rows/s instead of 484 over 400 calls and 658 instead of 627
     # over 1 200 (call p99 54 against 63 ms); ONNX Runtime gained nothing from it (365 against 374).
     length_multiple = 8
+    # Its threads are not pinned to cores: the event loop and the clients share them, and a pinned
+    # thread cannot move off a core the loop holds. /embed at 64 connections, 2 cores (wrk, five
+    # alternated rounds): 551 against 523 req/s pinned; /classify unchanged (BENCHMARKS.md).
 
     def __init__(self, model_path: Path, settings: EngineSettings) -> None:
         import openvino as ov
@@ -132,6 +135,7 @@ class OpenVinoEngine:
             hints.performance_mode: hints.PerformanceMode.LATENCY,
             hints.inference_precision: getattr(ov.Type, self.precision),
             props.num_streams: 1,
+            hints.enable_cpu_pinning: False,
         }
         self.compiled = ov.Core().compile_model(str(model_path), "CPU", config)
         self.input_names = [port.any_name for port in self.compiled.inputs]

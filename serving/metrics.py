@@ -15,8 +15,8 @@ latency:
 - `optiserve_refused_total{endpoint, model, reason}`: requests refused by admission control:
   `queue_full` (429), `deadline` (503 at the door: the queue ahead would make it late),
   `expired` (503 in the queue: admitted, but the queue ran slower than estimated).
-- `optiserve_refusals_held_total`: refusals held back by pacing before they were answered
-  (serving/door.py): clients retrying faster than OPTISERVE_REFUSALS_PER_S.
+- `optiserve_refusals_held_total`: refusals held back before they were answered
+  (serving/door.py): connections that came back before their last refusal's Retry-After.
 - `optiserve_errors_total{endpoint, model, api, class, status, type}`: every other error answer
   of a model endpoint (`api`: the HTTP API, e.g. classify_batch), by class: `request` (a 4xx of
   the client's making, `type` as in the body), `timeout` (408: the body did not arrive in time),
@@ -108,7 +108,7 @@ def instruments() -> Instruments:
             ROWS_METRIC, "Rows per batch (BentoML's adaptive_batch_size counts requests)", LABELS, buckets=ROWS_BUCKETS
         ),
         refused=Counter(REFUSED_METRIC, "Requests refused by admission control", (*LABELS, "reason")),
-        held=Counter(HELD_METRIC, "Refusals held back by pacing before they were answered"),
+        held=Counter(HELD_METRIC, "Refusals held until the Retry-After their connection ignored"),
         errors=Counter(
             ERRORS_METRIC, "Error answers of model endpoints by class", (*LABELS, "api", "class", "status", "type")
         ),

@@ -37,13 +37,12 @@ def body_timeout_s() -> float:
     return float(os.environ.get("OPTISERVE_BODY_TIMEOUT_S", "30"))
 
 
-def refusals_per_s() -> float:
-    """Refusals a worker answers at once per second, on average (serving/door.py); past it they
-    are held until their turn. A refusal still crosses BentoML's outer middleware, 1–4 ms of the
-    event loop on a 2-core host, so 50 a second keep refusals to a small share of it (200 a second
-    left a storm's accepted requests starved there). `OPTISERVE_REFUSALS_PER_S`; 0 answers every
-    refusal at once."""
-    return float(os.environ.get("OPTISERVE_REFUSALS_PER_S", "50"))
+def hold_early_retries() -> bool:
+    """Whether a refusal of a connection that comes back before its last Retry-After is held
+    until then (serving/door.py). A refusal still crosses BentoML's outer middleware, and a
+    storm of instant retries would take the event loop from the requests it let in.
+    `OPTISERVE_HOLD_EARLY_RETRIES`; 0 answers every refusal at once."""
+    return os.environ.get("OPTISERVE_HOLD_EARLY_RETRIES", "1") != "0"
 
 
 def access_log_enabled() -> bool:

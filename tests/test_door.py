@@ -1,4 +1,4 @@
-"""The door: overload refused before the app sees the request, and refusals paced under a storm."""
+"""The door: overload refused before the app sees the request, and early retries held under a storm."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from serving.door import DRAIN_LIMIT_BYTES, MAX_HOLD_S, Door, RefusalPacer
+from serving.door import DRAIN_LIMIT_BYTES, MAX_HOLD_S, Door, EarlyRetries
 from serving.errors import DeadlineUnmet, QueueFull, Refused
 from tests.test_batching import RecordingModel, make_batcher, sample, submit
 
@@ -26,9 +26,9 @@ class App:
         await send({"type": "http.response.body", "body": b"served"})
 
 
-def door_client(guard, *, pacer: RefusalPacer | None = None) -> tuple[httpx.AsyncClient, App]:
+def door_client(guard) -> tuple[httpx.AsyncClient, App]:
     app = App()
-    door = Door(app, guards={"/classify": guard}, pacer=pacer)
+    door = Door(app, guards={"/classify": guard}, early_retries=None)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=door), base_url="http://door"), app
 
 
@@ -86,47 +86,57 @@ def test_the_guard_is_asked_with_the_clients_deadline_and_id_and_a_malformed_dea
     assert asked == [(250.0, "r-1"), (None, None), (None, None)]
 
 
-def test_a_burst_of_refusals_is_answered_at_once_and_a_sustained_excess_waits_its_turn_in_order() -> None:
-    pacer = RefusalPacer(100, burst=5)  # 10 ms apart on average
+def test_a_connection_back_before_its_retry_after_is_held_until_then_and_one_that_waited_is_not() -> None:
+    early = EarlyRetries()
+    first, second = ("10.0.0.1", 5001), ("10.0.0.2", 5002)
 
-    at_once = [pacer.delay(1000.0) for _ in range(5)]
-    excess = [pacer.delay(1000.0) for _ in range(3)]
-
-    assert at_once == [0.0] * 5
-    assert excess == pytest.approx([0.01, 0.02, 0.03])
-    assert pacer.delay(1001.0) == 0.0  # a second later the bucket has refilled
-
-
-def test_a_refusal_is_held_no_longer_than_the_cap() -> None:
-    pacer = RefusalPacer(1, burst=1)
-
-    delays = [pacer.delay(0.0) for _ in range(20)]
-
-    assert max(delays) == MAX_HOLD_S
+    assert early.delay(first, 100.0, retry_after_s=1.0) == 0.0
+    assert early.delay(first, 100.1, retry_after_s=1.0) == pytest.approx(0.8)  # its wait ends at 90 % of 1 s
+    assert early.delay(second, 100.1, retry_after_s=1.0) == 0.0  # another connection is not held for it
+    assert early.delay(first, 101.0 + 0.9, retry_after_s=1.0) == 0.0  # back when asked, after its held refusal
 
 
-def test_refusals_past_the_rate_are_held_and_counted_while_a_client_that_waits_sees_none() -> None:
+def test_many_connections_refused_together_are_all_answered_at_once() -> None:
+    early = EarlyRetries()
+
+    assert [early.delay(("10.0.0.1", port), 100.0, retry_after_s=1.0) for port in range(500)] == [0.0] * 500
+    assert all(early.delay(("10.0.0.1", port), 101.0, retry_after_s=1.0) == 0.0 for port in range(500))
+
+
+def test_a_refusal_is_held_no_longer_than_the_cap_and_an_unnamed_connection_never() -> None:
+    early = EarlyRetries()
+    early.delay(("10.0.0.1", 5001), 0.0, retry_after_s=600.0)
+
+    assert early.delay(("10.0.0.1", 5001), 0.0, retry_after_s=600.0) == MAX_HOLD_S
+    assert [early.delay(None, 0.0, retry_after_s=600.0) for _ in range(3)] == [0.0] * 3
+
+
+def test_a_hammering_connection_waits_out_its_retry_after_while_a_new_one_is_answered_at_once() -> None:
     held: list[None] = []
-    pacer = RefusalPacer(50, burst=2, on_hold=lambda: held.append(None))
+    early = EarlyRetries(on_hold=lambda: held.append(None))
+    soon = QueueFull("the test queue is full", retry_after_s=0.2)  # sent as Retry-After: 1
 
-    async def storm() -> tuple[list[float], float]:
-        client, _ = door_client(full_queue, pacer=pacer)
-        async with client:
+    async def scenario() -> tuple[list[float], float]:
+        door = Door(App(), guards={"/classify": lambda *_: soon}, early_retries=early)
 
-            async def timed() -> float:
-                started = time.perf_counter()
-                assert (await client.post("/classify", content=b"x")).status_code == 429
-                return time.perf_counter() - started
+        def connection(port: int) -> httpx.AsyncClient:
+            transport = httpx.ASGITransport(app=door, client=("10.0.0.1", port))
+            return httpx.AsyncClient(transport=transport, base_url="http://door")
 
-            storm = await asyncio.gather(*(timed() for _ in range(12)))
-            await asyncio.sleep(0.3)  # a client honouring Retry-After comes back later
-            return sorted(storm), await timed()
+        async def timed(client: httpx.AsyncClient) -> float:
+            started = time.perf_counter()
+            assert (await client.post("/classify", content=b"x")).status_code == 429
+            return time.perf_counter() - started
 
-    storm, patient = asyncio.run(storm())
+        async with connection(1) as hammering, connection(2) as fresh:
+            hammered = [await timed(hammering) for _ in range(2)]
+            return hammered, await timed(fresh)
 
-    assert len(held) == 10
-    assert storm[-1] >= 10 * 0.02 * 0.9, storm  # the last of the excess waited its turn at 50/s
-    assert patient < 0.05
+    hammered, fresh = asyncio.run(scenario())
+
+    assert hammered[0] < 0.05 and hammered[1] >= 0.85, hammered  # Retry-After: 1, back at once: held ~0.9 s
+    assert fresh < 0.05
+    assert len(held) == 1
 
 
 def test_the_batchers_door_check_judges_the_queue_alone_and_counts_its_refusals() -> None:
