@@ -13,6 +13,8 @@ import numpy as np
 import onnx
 import torch
 
+from pipeline.cascade import CASCADE, OutputsOn, cascade_candidate
+from pipeline.datasets import Split
 from pipeline.evaluate import run_batched
 from pipeline.export import ServingGraph, export_onnx
 from pipeline.export_check import check_export
@@ -23,10 +25,10 @@ from pipeline.sources import load_source
 from pipeline.tasks import TASKS, PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT, Candidate, Predict, judge_slices, tune
 from pipeline.variants import KINDS, VariantInputs
-from serving.engine import ENGINE_LABEL, EngineName, EngineSettings, available_providers, open_engine
+from serving.engine import ENGINE_LABEL, Engine, EngineName, EngineSettings, available_providers, open_engine
 from serving.manifest import Route
 from serving.model_runtime import onnx_runtime
-from serving.model_spec import ONNX_FILE, SPEC_KEY
+from serving.model_spec import ONNX_FILE, SPEC_KEY, TEACHER_FILE, ModelSpec
 from serving.monitoring import MONITORING_KEY
 
 # Bump when export or registration changes what an unchanged recipe produces.
@@ -63,16 +65,24 @@ def recipe_hash(loaded: LoadedRecipe) -> str:
     return loaded.content_hash(extra=f"{EXPORT_REVISION}|torch={torch.__version__!s}|onnx={onnx.__version__}")
 
 
+def _outputs(engine: Engine, data: TaskData, split: Split) -> np.ndarray:
+    output = engine.output_names[0]
+    return run_batched(lambda rows: engine.run(data.feeds(rows))[output], split)
+
+
 def _predictor(data: TaskData, settings: EngineSettings) -> Predict:
-    def predict(path: Path, engine_name: EngineName) -> np.ndarray:
+    """A graph's outputs on every evaluation slice."""
+
+    def predict(path: Path, engine_name: EngineName) -> dict[str, np.ndarray]:
         engine = open_engine(engine_name, path, settings)
-        output = engine.output_names[0]
-        return {
-            name: run_batched(lambda rows: engine.run(data.feeds(rows))[output], split)
-            for name, split in data.evaluation.items()
-        }
+        return {name: _outputs(engine, data, split) for name, split in data.evaluation.items()}
 
     return predict
+
+
+def _outputs_on(data: TaskData, settings: EngineSettings) -> OutputsOn:
+    """A graph's outputs on any split (a cascade's threshold split)."""
+    return lambda path, engine_name, split: _outputs(open_engine(engine_name, path, settings), data, split)
 
 
 def _eager_runner(task: PipelineTask, graph: ServingGraph, data: TaskData) -> Run:
@@ -103,9 +113,12 @@ def _fp16_on_cpu_only(candidate: Candidate, fp32: Candidate) -> Candidate:
     )
 
 
-def select(candidates: list[Candidate], slo_ms: float) -> Candidate:
-    """Highest throughput among accepted variants, counting only batch sizes whose p99 meets the
+def select(candidates: list[Candidate], slo_ms: float, preferred: str | None = None) -> Candidate:
+    """The `preferred` variant where the gate accepted it (the recipe's `serving.variant`); else
+    the highest throughput among accepted variants, counting only batch sizes whose p99 meets the
     SLO; the FP32 reference stays unless another variant beats it by more than the noise margin."""
+    if (named := next((c for c in candidates if c.variant == preferred and c.accepted), None)) is not None:
+        return named
 
     def throughput_within_slo(candidate: Candidate) -> float:
         return max((p.throughput for p in candidate.profile if p.p99_ms <= slo_ms), default=0.0)
@@ -151,17 +164,25 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
         predict = _predictor(data, settings)
         reference = predict(inputs.fp32, "onnxruntime")
         candidates = tune_variants(recipe, inputs, data, predict, reference, step)
+        if CASCADE in recipe.variants:
+            step("variant cascade: calibrating its threshold")
+            labels = {name: split.labels for name, split in data.evaluation.items()}
+            outputs_on = _outputs_on(data, settings)
+            candidates.append(
+                cascade_candidate(
+                    task, candidates, data.threshold, outputs_on, predict, reference, labels, recipe.budget, workdir
+                )
+            )
         step("profiling (interleaved): " + ", ".join(c.variant for c in candidates if c.accepted) + ", PyTorch eager")
         eager = profile_candidates(candidates, task, graph, data, recipe, settings, slo_ms)
         candidates = [_fp16_on_cpu_only(c, candidates[0]) for c in candidates]
-        chosen = select(candidates, slo_ms)
+        chosen = select(candidates, slo_ms, recipe.serving.variant)
         batching = choose_batching(
             chosen.profile, slo_ms=slo_ms, max_length=data.spec.text.max_length if data.spec.text else None
         )
         step("registering in the model store")
         common = {
             RECIPE_HASH: content_hash,
-            SPEC_KEY: data.spec.model_dump(mode="json", exclude_none=True),
             "source": recipe.source.model_dump(mode="json"),
             "export_check": check.as_metadata(),
             "versions": {"torch": str(torch.__version__), "onnx": onnx.__version__},
@@ -176,7 +197,15 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
         }
         stored = {
             c.variant: register_candidate(
-                recipe, c, data.files, {**common, **(selection if c is chosen else {})}, c is chosen
+                recipe,
+                c,
+                data.files,
+                {
+                    **common,
+                    SPEC_KEY: spec_of(data.spec, c).model_dump(mode="json", exclude_none=True),
+                    **(selection if c is chosen else {}),
+                },
+                c is chosen,
             )
             for c in candidates
             if c.accepted
@@ -206,7 +235,7 @@ def tune_variants(
             reason="reference",
         )
     ]
-    for name in recipe.variants:
+    for name in (name for name in recipe.variants if name != CASCADE):  # built from the others (pipeline/cascade.py)
         step(f"variant {name}")
         candidate = tune(
             KINDS[name],
@@ -234,7 +263,9 @@ def profile_candidates(
     """Profile every accepted candidate and PyTorch eager together, on batches drawn alike from the
     profiling rows; returns the eager profile."""
     runners = {
-        c.variant: runtime_runner(onnx_runtime(c.path, data.spec, settings, c.engine), sampler(data.profiling.rows))
+        c.variant: runtime_runner(
+            onnx_runtime(c.path, spec_of(data.spec, c), settings, c.engine), sampler(data.profiling.rows)
+        )
         for c in candidates
         if c.accepted
     }
@@ -247,9 +278,16 @@ def profile_candidates(
     return profiles[EAGER]
 
 
+def spec_of(spec: ModelSpec, candidate: Candidate) -> ModelSpec:
+    """What a candidate promises its server: the task's spec, and a cascade's threshold and teacher."""
+    return spec.model_copy(update={"cascade": candidate.cascade})
+
+
 def register_candidate(
     recipe: Recipe, candidate: Candidate, files: dict[str, Path], metadata: dict, selected: bool
 ) -> bentoml.Model:
+    if candidate.cascade is not None:
+        files = {**files, TEACHER_FILE: candidate.path.parent / candidate.cascade.teacher_file}
     return register(
         recipe.name,
         {ONNX_FILE: candidate.path, **files},

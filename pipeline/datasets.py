@@ -99,7 +99,7 @@ def photo_split(spec: ImageInput, part: PhotoSlice) -> Split:
 
 
 TextPart = Literal["calibration", "evaluation", "profiling", "training"]
-DigitsPart = Literal["calibration", "held-out", "perturbed", "training"]
+DigitsPart = Literal["calibration", "held-out", "perturbed", "threshold", "training"]
 
 
 def text_split(encode_texts: Callable[[list[str]], list], part: TextPart) -> Split:
@@ -120,8 +120,10 @@ def digits_split(part: DigitsPart) -> Split:
     train_x, test_x, train_y, test_y = train_test_split(images, labels, test_size=0.25, random_state=0, stratify=labels)
     if part == "held-out":
         return Split(list(test_x), test_y)
-    if part == "perturbed":
-        rng = np.random.default_rng(0)
+    if part in ("perturbed", "threshold"):
+        # `threshold`: other moves of the same held-out digits, on which a cascade's threshold is
+        # calibrated (pipeline/cascade.py): every other digit trained the teacher, which is sure of them.
+        rng = np.random.default_rng(0 if part == "perturbed" else 1)
         copies = PERTURBED_DIGIT_COPIES
         return Split(
             [perturbed_digit(image, rng) for image in test_x for _ in range(copies)], np.repeat(test_y, copies)

@@ -120,6 +120,9 @@ class Serving(Strict):
     )
     canary: Share | None = Field(default=None, description="another alias answering a share of the requests")
     shadow: Share | None = Field(default=None, description="another alias running a share of the requests beside")
+    variant: str | None = Field(
+        default=None, description="serve this variant where the gate accepts it, instead of the fastest accepted"
+    )
 
     @model_validator(mode="after")
     def _sides_are_other_aliases(self) -> Serving:
@@ -138,6 +141,7 @@ VariantName = Literal[
     "openvino",
     "openvino-int8",
     "openvino-bf16",
+    "cascade",  # pipeline/cascade.py: a student, with the teacher for what it is unsure of; classifiers only
 ]
 
 
@@ -191,6 +195,10 @@ class RecipeBase(Strict):
     def _budget_fits(self) -> RecipeBase:
         if self.variants and self.budget is None:
             raise ValueError("variants need a budget: every variant is judged against it")
+        if "cascade" in self.variants and self.task != "image-classification":
+            raise ValueError(f"variants: a cascade answers with a classifier's confidence, not a {self.task} model's")
+        if self.serving.variant not in (None, "fp32", *self.variants):
+            raise ValueError(f"serving.variant: {self.serving.variant!r} is not among the recipe's variants")
         for metric in self.budget.max_drop if self.budget else ():
             if metric not in self.metrics:
                 raise ValueError(

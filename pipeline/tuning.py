@@ -17,6 +17,7 @@ from pipeline.profile import ProfilePoint
 from pipeline.recipe import Budget
 from pipeline.variants.base import VariantInputs, VariantKind
 from serving.engine import EngineName
+from serving.model_spec import Cascade
 
 if TYPE_CHECKING:
     from pipeline.tasks import PipelineTask
@@ -61,6 +62,7 @@ class Candidate(Judged):
     reason: str = ""
     trials: list[Trial] = Field(default_factory=list)
     profile: list[ProfilePoint] = Field(default_factory=list)
+    cascade: Cascade | None = None  # a cascade's threshold and teacher (pipeline/cascade.py)
 
 
 def budget_failures(budget: Budget, slices: dict[str, SliceFigures]) -> list[str]:
@@ -122,6 +124,7 @@ def tune(
     reason = last.error or "; ".join(last.failed)
     return candidate.model_copy(
         update={
+            "path": None if last.error else out,  # built, though never served: a cascade may still use it
             "slices": last.slices,
             "config": last.config,
             "reason": f"rejected after {len(candidate.trials)} trial(s): {reason}",

@@ -124,7 +124,7 @@ def remembered(cache: ResponseCache | None, key: bytes, result: Answer) -> Answe
     """`result`, kept in `cache` under `key` where there is a cache."""
     if cache is None:
         return result
-    body = result.model_dump_json().encode()
+    body = answer_body(result)
     cache.put(key, body)
     return CachedAnswer(body, result.model, hit=False)
 
@@ -155,30 +155,30 @@ async def outcome(
 
 async def answer(
     ctx: bentoml.Context, endpoint: Callable[[Routed, Request], Awaitable[Answer]], front: Front, route: str
-) -> Answer | Response:
-    """`outcome` for the request BentoML's API handler is serving, with the model's tag in a
-    header. BentoML sets an API's status and headers from its context: both go there."""
-    result = await outcome(endpoint, front, route, UNREAD_REQUEST.get())
-    if isinstance(result, CachedAnswer):
-        return result.response()
-    if isinstance(result, ErrorAnswer):
-        ctx.response.status_code = result.status
-        ctx.response.headers.update(result.headers)
-        return JSONResponse(result.body, status_code=result.status)
-    ctx.response.headers[MODEL_TAG_HEADER] = result.model
-    return result
+) -> Response:
+    """`respond` to the request BentoML's API handler is serving (a browser's, or a task's).
+    BentoML sets the status of an API's response from its context: it goes there too."""
+    response = await respond(endpoint, front, route, UNREAD_REQUEST.get())
+    ctx.response.status_code = response.status_code
+    return response
 
 
 async def respond(
     endpoint: Callable[[Routed, Request], Awaitable[Answer]], front: Front, route: str, request: Request
 ) -> Response:
-    """`outcome` as the response itself: what BentoML's handler would send for it (serving/direct.py)."""
+    """`outcome` as its response: the answer's JSON with the model's tag in a header, or the
+    error's body and status; the same whichever way the request came (serving/direct.py)."""
     result = await outcome(endpoint, front, route, request)
     if isinstance(result, CachedAnswer):
         return result.response()
     if isinstance(result, ErrorAnswer):
         return JSONResponse(result.body, status_code=result.status, headers=result.headers)
-    return Response(result.model_dump_json(), media_type="application/json", headers={MODEL_TAG_HEADER: result.model})
+    return Response(answer_body(result), media_type="application/json", headers={MODEL_TAG_HEADER: result.model})
+
+
+def answer_body(result: BaseModel) -> bytes:
+    """An answer's JSON; a field that does not apply (None: `answered_by` of a model that is no cascade) is left out."""
+    return result.model_dump_json(exclude_none=True).encode()
 
 
 def error_answer(exc: Exception) -> ErrorAnswer:
@@ -398,10 +398,12 @@ async def classify(route: Routed[ImageClassifier], request: Request) -> Classify
         key = images_key(images.tag, "classify", uploads, top_k) if cache else b""
         if (hit := recalled(cache, key, images.tag)) is not None:
             return hit
-        (predictions,) = await images.classify(
+        classified = await images.classify(
             uploads, top_k, admission, shadowing(route.split, route.name, images.tag, request_id(request))
         )
-    return remembered(cache, key, ClassifyResponse(model=images.tag, predictions=predictions))
+    (predictions,), answered_by = classified.predictions, classified.answered_by
+    response = ClassifyResponse(model=images.tag, predictions=predictions, answered_by=answered_by and answered_by[0])
+    return remembered(cache, key, response)
 
 
 async def classify_batch(route: Routed[ImageClassifier], request: Request) -> ClassifyBatchResponse | CachedAnswer:
@@ -413,10 +415,13 @@ async def classify_batch(route: Routed[ImageClassifier], request: Request) -> Cl
         if (hit := recalled(cache, key, images.tag)) is not None:
             return hit
         with images.admit(len(uploads), timeout_ms=deadline_ms, low=low) as admission:  # counted, before decoding
-            results = await images.classify(
+            classified = await images.classify(
                 uploads, top_k, admission, shadowing(route.split, route.name, images.tag, request_id(request))
             )
-    return remembered(cache, key, ClassifyBatchResponse(model=images.tag, results=results))
+    response = ClassifyBatchResponse(
+        model=images.tag, results=classified.predictions, answered_by=classified.answered_by
+    )
+    return remembered(cache, key, response)
 
 
 async def embed_request(request: Request, limit: int) -> EmbedRequest:

@@ -19,11 +19,12 @@ from serving.batching import Admission
 from serving.errors import InputTooLarge, InvalidInput
 from serving.images import check_content_type, decode_image, resize_center_crop
 from serving.manifest import Route
+from serving.metrics import count_cascade_answers
 from serving.model_calls import BatchedModel, Observer
-from serving.model_runtime import read_spec
+from serving.model_runtime import answered_by_teacher, read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
 from serving.monitoring import ModelMonitor
-from serving.schemas import Prediction
+from serving.schemas import AnsweredBy, Prediction
 from serving.tracing import timed
 
 
@@ -57,6 +58,12 @@ def top_k_predictions(probabilities: np.ndarray, class_names: Sequence[str], k: 
     return [Prediction(label=class_names[i], class_id=int(i), score=float(probabilities[i])) for i in best]
 
 
+@dataclass(frozen=True)
+class Classified:
+    predictions: list[list[Prediction]]  # per image, in order
+    answered_by: list[AnsweredBy] | None = None  # a cascade's, per image
+
+
 @dataclass(frozen=True, kw_only=True)
 class ImageClassifier:
     kind: ClassVar[str] = "classify"  # the endpoints it serves: classify and classify_batch
@@ -66,19 +73,24 @@ class ImageClassifier:
     max_items_per_request: int
     tag: str  # the stored model's, named in every answer
     monitor: ModelMonitor | None = None
+    cascade: bool = False  # a student and its teacher (serving/model_runtime.py `CascadeImageRuntime`)
+    endpoint: str = ""  # the route's name in the metrics
 
     @classmethod
     def from_stored(cls, stored: bentoml.Model, route: Route, model: BatchedModel, *, endpoint: str) -> ImageClassifier:
         """The classifier of a stored model: its input spec and class names are stored with it.
         `endpoint`: the route's name in the metrics."""
         class_names = load_class_names(Path(stored.path))
+        spec = read_spec(stored.info.metadata)
         return cls(
-            spec=read_spec(stored.info.metadata).image,
+            spec=spec.image,
             class_names=class_names,
             model=model,
             max_items_per_request=route.max_items_per_request,
             tag=str(stored.tag),
             monitor=ModelMonitor.of_stored(endpoint, stored, class_names),
+            cascade=spec.cascade is not None,
+            endpoint=endpoint,
         )
 
     def close(self) -> None:
@@ -98,7 +110,7 @@ class ImageClassifier:
 
     async def classify(
         self, uploads: list[ImageUpload], top_k: int, admission: Admission, observe: Observer | None = None
-    ) -> list[list[Prediction]]:
+    ) -> Classified:
         if top_k < 1:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
         with timed("decode"):
@@ -106,9 +118,14 @@ class ImageClassifier:
                 *(anyio.to_thread.run_sync(prepare_sized_image, upload, self.spec) for upload in uploads)
             )
         pixels, started = np.stack([image for image, _ in prepared]), time.perf_counter()
-        probabilities = await self.model.run(pixels, admission)
+        outputs = await self.model.run(pixels, admission)
+        probabilities, by_teacher = answered_by_teacher(outputs) if self.cascade else (outputs, None)
         if observe is not None:
             observe(pixels, probabilities, time.perf_counter() - started)
         if self.monitor is not None:
             self.monitor.observe_classifications([size for _, size in prepared], pixels, probabilities)
-        return [top_k_predictions(row, self.class_names, top_k) for row in probabilities]
+        predictions = [top_k_predictions(row, self.class_names, top_k) for row in probabilities]
+        if by_teacher is None:
+            return Classified(predictions)
+        count_cascade_answers(self.endpoint, self.tag, teacher=int(by_teacher.sum()), student=int((~by_teacher).sum()))
+        return Classified(predictions, ["teacher" if teacher else "student" for teacher in by_teacher])

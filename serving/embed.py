@@ -43,6 +43,7 @@ def decode_base64_f16(encoded: list[str]) -> np.ndarray:
 @dataclass(frozen=True, kw_only=True)
 class TextEmbedder:
     kind: ClassVar[str] = "embed"  # the endpoint it serves
+    cascade: ClassVar[bool] = False  # no embedder is a cascade (serving/classify.py)
     tokenizer: TextTokenizer
     model: BatchedModel
     max_items_per_request: int

@@ -30,6 +30,8 @@ latency:
 - `optiserve_cache_lookups_total{endpoint, result}` (`hit`, `miss`), `optiserve_cache_evictions_total{endpoint}`
   and `optiserve_cache_bytes{endpoint}` (answers held, summed over the workers): a route's
   response cache, where it has one (serving/cache.py).
+- `optiserve_cascade_answers_total{endpoint, model, answered_by}`: images a cascade answered with
+  its student (`student`) or, where the student was unsure, its teacher (`teacher`).
 - per pair of models (`endpoint`, `primary`, `shadow`), shadow traffic (serving/shadow.py):
   `optiserve_shadow_total{outcome}` (requests `compared`, `dropped` while the shadow was busy,
   `failed`), `optiserve_shadow_similarity{measure}` per row (`top1_agreement` 1 or 0 and
@@ -68,6 +70,7 @@ SHADOW_SECONDS_METRIC = "optiserve_shadow_model_seconds"
 CACHE_LOOKUPS_METRIC = "optiserve_cache_lookups"
 CACHE_EVICTIONS_METRIC = "optiserve_cache_evictions"
 CACHE_BYTES_METRIC = "optiserve_cache_bytes"
+CASCADE_METRIC = "optiserve_cascade_answers"
 PAIR = ("endpoint", "primary", "shadow")
 # Agreement is 0 or 1, score differences near 0, cosines near 1: both ends resolved.
 SIMILARITY_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.5, 0.9, 0.95, 0.99, 0.999, 0.9999, 1.0)
@@ -92,6 +95,7 @@ class Instruments:
     cache_lookups: Any
     cache_evictions: Any
     cache_bytes: Any
+    cascade: Any
 
 
 @cache
@@ -128,7 +132,16 @@ def instruments() -> Instruments:
         cache_bytes=Gauge(
             CACHE_BYTES_METRIC, "Bytes of answers the response cache holds", ("endpoint",), multiprocess_mode="livesum"
         ),
+        cascade=Counter(
+            CASCADE_METRIC, "Images a cascade answered, by the model that answered", (*LABELS, "answered_by")
+        ),
     )
+
+
+def count_cascade_answers(endpoint: str, model: str, *, student: int, teacher: int) -> None:
+    for answered_by, images in (("student", student), ("teacher", teacher)):
+        if images:
+            instruments().cascade.labels(endpoint=endpoint, model=model, answered_by=answered_by).inc(images)
 
 
 def count_held_refusal() -> None:

@@ -58,6 +58,41 @@ class ImageModelRuntime(_EngineRuntime):
             logger.info("warm-up batch %d: %.1f ms", batch, 1000 * (time.monotonic() - started))
 
 
+class CascadeImageRuntime(ImageModelRuntime):
+    """A cascade (serving/model_spec.py `Cascade`) in one engine call per batch: the student on
+    every row, then the teacher on the rows the student was unsure of. Its output has one column
+    more than the classes: 1.0 where the teacher answered (`answered_by_teacher` splits it off),
+    so that which model answered travels with each row through the batcher."""
+
+    def __init__(self, model_dir: Path, spec: ModelSpec, settings: EngineSettings, **where: str) -> None:
+        """`where`: the student's file and engine, as for any runtime."""
+        super().__init__(model_dir, spec, settings, **where)
+        cascade = spec.cascade
+        self.threshold = cascade.threshold
+        self.teacher = open_engine(cascade.teacher_engine, model_dir / cascade.teacher_file, settings)
+
+    def predict(self, images: np.ndarray) -> np.ndarray:
+        probabilities = super().predict(images)
+        unsure = probabilities.max(-1) < self.threshold
+        if unsure.any():
+            probabilities = probabilities.copy()
+            (input_name,) = self.teacher.input_names
+            probabilities[unsure] = self.teacher.run({input_name: images[unsure]})[self.teacher.output_names[0]]
+        return np.concatenate([probabilities, unsure[:, None].astype(probabilities.dtype)], axis=1)
+
+    def warm_up(self, max_batch_size: int, max_batch_tokens: int | None = None) -> None:
+        super().warm_up(max_batch_size, max_batch_tokens)
+        size = self.spec.image.size
+        (input_name,) = self.teacher.input_names
+        for batch in sorted({1, max_batch_size}):
+            self.teacher.run({input_name: np.zeros((batch, size, size, 3), dtype=np.uint8)})
+
+
+def answered_by_teacher(outputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A cascade's outputs split into the class probabilities and, per row, whether the teacher answered."""
+    return outputs[:, :-1], outputs[:, -1] > 0.5
+
+
 class TextModelRuntime(_EngineRuntime):
     """Unpadded token ids in, one L2-normalized embedding per row out."""
 
@@ -95,17 +130,21 @@ class TextModelRuntime(_EngineRuntime):
             logger.info("warm-up batch %d x %d tokens: %.1f ms", batch, length, 1000 * (time.monotonic() - started))
 
 
-ModelRuntime = ImageModelRuntime | TextModelRuntime
+ModelRuntime = ImageModelRuntime | CascadeImageRuntime | TextModelRuntime
 RUNTIMES: dict[Task, type[ModelRuntime]] = {
     "image-classification": ImageModelRuntime,
     "text-embedding": TextModelRuntime,
 }
 
 
+def runtime_class(spec: ModelSpec) -> type[ModelRuntime]:
+    return CascadeImageRuntime if spec.cascade is not None else RUNTIMES[spec.task]
+
+
 def onnx_runtime(path: Path, spec: ModelSpec, settings: EngineSettings, engine: str = "onnxruntime") -> ModelRuntime:
-    """A runtime over any ONNX file: the pipeline times its candidates through the serving code
-    before they are stored."""
-    return RUNTIMES[spec.task](path.parent, spec, settings, onnx_file=path.name, engine=engine)
+    """A runtime over any ONNX file (a cascade's teacher beside it): the pipeline times its
+    candidates through the serving code before they are stored."""
+    return runtime_class(spec)(path.parent, spec, settings, onnx_file=path.name, engine=engine)
 
 
 def engine_of(stored: Any) -> str:
@@ -122,6 +161,6 @@ def load_runtime(
     check_artifacts(stored)
     logger.info("%s: %s runs on %s (%s)", endpoint, stored.tag, engine_of(stored), describe_cpu())
     spec = read_spec(stored.info.metadata)
-    runtime = RUNTIMES[spec.task](Path(stored.path), spec, settings, engine=engine_of(stored))
+    runtime = runtime_class(spec)(Path(stored.path), spec, settings, engine=engine_of(stored))
     runtime.warm_up(max_batch_size, max_batch_tokens)
     return runtime

@@ -16,6 +16,7 @@ TASK_INPUT: dict[Task, str] = {"image-classification": "image", "text-embedding"
 ONNX_FILE = "model.onnx"
 CLASS_NAMES_FILE = "class_names.json"
 TOKENIZER_FILE = "tokenizer.json"
+TEACHER_FILE = "teacher.onnx"  # a cascade's second model
 SPEC_KEY = "optiserve"
 
 
@@ -34,11 +35,23 @@ class TextInput(BaseModel):
     dimensions: int
 
 
+class Cascade(BaseModel):
+    """Early exit: the stored model (a student) answers the rows whose top probability reaches
+    `threshold`; the teacher, stored beside it, answers the rest. The pipeline calibrated the
+    threshold so that the pair stays within the recipe's budget of the teacher alone."""
+
+    model_config = ConfigDict(extra="forbid")
+    threshold: float
+    teacher_file: str = TEACHER_FILE
+    teacher_engine: str = "onnxruntime"
+
+
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: Task
     image: ImageInput | None = None
     text: TextInput | None = None
+    cascade: Cascade | None = None  # image classifiers only
     input_names: list[str]
     output_names: list[str]
 

@@ -62,14 +62,20 @@ class Prediction(BaseModel):
     score: float
 
 
+AnsweredBy = Literal["student", "teacher"]
+ANSWERED_BY = Field(default=None, description="A cascade's: which of its two models answered (absent for other models)")
+
+
 class ClassifyResponse(BaseModel):
     model: str = Field(description="Tag of the stored model that answered")
     predictions: list[Prediction]
+    answered_by: AnsweredBy | None = ANSWERED_BY
 
 
 class ClassifyBatchResponse(BaseModel):
     model: str
     results: list[list[Prediction]] = Field(description="One top-k list per image, in request order")
+    answered_by: list[AnsweredBy] | None = ANSWERED_BY
 
 
 class EmbedResponse(BaseModel):

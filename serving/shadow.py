@@ -27,6 +27,7 @@ from serving.lifecycle import Slot, Split
 from serving.manifest import route_path
 from serving.metrics import ShadowMetrics
 from serving.model_calls import Observer
+from serving.model_runtime import answered_by_teacher
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ async def _shadow(
         try:
             with front.model.admit(len(rows)) as admission:
                 shadowed = await front.model.run(rows, admission)
+            if front.cascade:
+                shadowed, _ = answered_by_teacher(shadowed)
             elapsed = time.perf_counter() - started
         except Refused:
             metrics.count("dropped")

@@ -77,10 +77,16 @@ def new_version(stored):
 
 @pytest.fixture(scope="session")
 def digits_recipe() -> LoadedRecipe:
-    """The digits classifier, its teacher trained for a few epochs: a third model, served only at
-    its own path (/models/digits-classifier/...), as every recipe without a default endpoint is."""
+    """The digits classifier, its teacher and student trained for a few epochs, served as a cascade
+    of the two: a third model, served only at its own path (/models/digits-classifier/...), as every
+    recipe without a default endpoint is."""
     loaded = load_recipe(REPO / "models" / "digits-classifier.yaml")
-    return quick(loaded, source=loaded.recipe.source.model_copy(update={"epochs": 3}))
+    return quick(
+        loaded,
+        source=loaded.recipe.source.model_copy(update={"epochs": 3}),
+        variants=["student", "cascade"],  # served as the recipe says: the cascade
+        student=loaded.recipe.student.model_copy(update={"epochs": 5}),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from test_deploy import monitoring_queries, parsed, selectors
 from pipeline.datasets import digits_split
 from sample_inputs import sample_photos
 from serving.engine import EngineSettings
-from serving.model_runtime import load_runtime
+from serving.model_runtime import answered_by_teacher, load_runtime
 from tests.scrape import samples
 
 DIGITS = "/models/digits-classifier"
@@ -37,15 +37,42 @@ def held_out_digits() -> list[np.ndarray]:
 def test_the_digits_classifier_answers_at_its_own_path_as_its_session_does(
     server, digits_model, held_out_digits
 ) -> None:
+    """The digits model is served as a cascade (the recipe's serving.variant): each answer also says
+    which of its two models gave it."""
     rows = held_out_digits
     runtime = load_runtime("digits", digits_model.model, max_batch_size=8, settings=EngineSettings.from_environment())
-    expected = runtime.predict(np.stack(rows)).argmax(axis=1)
+    probabilities, by_teacher = answered_by_teacher(runtime.predict(np.stack(rows)))
     tag = str(digits_model.model.tag)
     with server.client() as client:
         answers = [client.post(f"{DIGITS}/classify", content=png(r), headers=PNG) for r in rows]
     assert {a.status_code for a in answers} == {200}
     assert {a.json()["model"] for a in answers} == {a.headers["x-model-tag"] for a in answers} == {tag}
-    assert [a.json()["predictions"][0]["class_id"] for a in answers] == expected.tolist()
+    assert [a.json()["predictions"][0]["class_id"] for a in answers] == probabilities.argmax(axis=1).tolist()
+    assert [a.json()["answered_by"] for a in answers] == ["teacher" if t else "student" for t in by_teacher]
+
+
+def cascade_answers(client) -> dict[str, float]:
+    return {
+        labels["answered_by"]: value
+        for labels, value in samples(client, "optiserve_cascade_answers_total")
+        if labels["endpoint"] == "digits-classifier"
+    }
+
+
+def test_the_cascade_counts_the_images_each_of_its_models_answered_and_other_models_say_nothing(server) -> None:
+    rows = digits_split("perturbed").rows[:64]  # moved digits: the student is unsure of some
+    files = [("images", (f"{i}.png", png(r), "image/png")) for i, r in enumerate(rows)]
+    with server.client() as client:
+        before = cascade_answers(client)
+        answer = client.post(f"{DIGITS}/classify_batch", files=files)
+        after = cascade_answers(client)
+        not_a_cascade = client.post("/classify", files={"image": ("c.jpg", sample_photos()["chelsea"], "image/jpeg")})
+    assert "answered_by" not in not_a_cascade.json()
+    assert answer.status_code == 200, answer.text
+    answered_by = answer.json()["answered_by"]
+    assert len(answered_by) == len(rows) and set(answered_by) <= {"student", "teacher"}
+    for model in ("student", "teacher"):
+        assert after.get(model, 0) - before.get(model, 0) == answered_by.count(model)
 
 
 def test_the_digits_classifier_takes_batches_at_its_own_path(server, digits_model, held_out_digits) -> None:

@@ -82,6 +82,18 @@ def test_default_recipes_load_and_resolve_packaged_files(name: str) -> None:
             id="a photo classifier without labels",
         ),
         pytest.param(
+            "text-embedder",
+            {"variants": ["student", "cascade"]},
+            r"a cascade answers with a classifier's confidence, not a text-embedding model's",
+            id="a cascade of embedders",
+        ),
+        pytest.param(
+            "image-classifier",
+            {"serving__variant": "student"},
+            r"serving\.variant: 'student' is not among the recipe's variants",
+            id="serving a variant the recipe does not build",
+        ),
+        pytest.param(
             "image-classifier",
             {"image__resize": 200},
             r"image: resize \(200\) must be at least size \(224\)",

@@ -43,6 +43,7 @@ class TaskData:
     evaluation: dict[str, Split]  # slice name → rows the gate judges every variant on
     profiling: Split  # real rows that timed batches are drawn from
     training: Split | None = None
+    threshold: Split | None = None  # where a cascade's threshold is calibrated, never judged on
 
 
 class PipelineTask(ABC):

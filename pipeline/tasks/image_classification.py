@@ -54,12 +54,12 @@ class ImageClassification(PipelineTask):
         names = workdir / CLASS_NAMES_FILE
         names.write_text(json.dumps(class_names))
         if recipe.source.kind == "train-digits":
-            calibration, held_out, perturbed, training = (
-                digits_split(p) for p in ("calibration", HELD_OUT, "perturbed", "training")
+            calibration, held_out, perturbed, training, threshold = (
+                digits_split(p) for p in ("calibration", HELD_OUT, "perturbed", "training", "threshold")
             )
         else:
             calibration, held_out, perturbed = (photo_split(spec_in, p) for p in ("calibration", HELD_OUT, "perturbed"))
-            training = None
+            training = threshold = None
         return TaskData(
             spec=ModelSpec(
                 task=self.name, image=spec_in, input_names=graph.input_names, output_names=graph.output_names
@@ -71,6 +71,7 @@ class ImageClassification(PipelineTask):
             evaluation={HELD_OUT: held_out, "perturbed": perturbed},
             profiling=held_out,  # decoded photos: an image's cost does not depend on what it shows
             training=training,
+            threshold=threshold,
         )
 
     def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
