@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.cascade import CASCADE
 from pipeline.profile import Batching, ProfilePoint, best_point
 from pipeline.recipe import Recipe
 from pipeline.tuning import HELD_OUT, Candidate
@@ -139,6 +140,29 @@ def plot_latency(recipe: Recipe, candidates: list[Candidate], eager: list[Profil
     _save(figure, path)
 
 
+def cascade_text(candidates: list[Candidate]) -> str:
+    """A cascade's threshold, who answers how much of each slice, and what it keeps of the teacher."""
+    cascade = next((c for c in candidates if c.variant == CASCADE), None)
+    if cascade is None:
+        return ""
+    if cascade.cascade is None:
+        return f"## Cascade\n\n{cascade.reason}\n\n"
+    teacher = next(c for c in candidates if c.variant == cascade.config["teacher"])
+    speed = best_point(cascade.profile).throughput / best_point(teacher.profile).throughput if cascade.profile else 0
+    rows = "\n".join(
+        f"| {name} | {share:.4f} | {cascade.slices[name].metrics['top1_agreement']:.4f} "
+        f"| {cascade.slices[name].drop_bounds['top1_agreement']:.4f} |"
+        for name, share in cascade.config["student_share"].items()
+    )
+    return (
+        f"## Cascade\n\n{cascade.config['student']} answers where its top probability is at least "
+        f"{cascade.cascade.threshold:.4f} (calibrated on rows no slice holds), {teacher.variant} the rest: "
+        f"{speed:.2f} × {teacher.variant}'s throughput at the best batch.\n\n"
+        "| slice | answered by the student | top-1 agreement with the teacher | disagreement (95 % bound) |\n"
+        f"|---|---|---|---|\n{rows}\n\n"
+    )
+
+
 def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
     candidates, eager = result.candidates, result.eager
     directory.mkdir(parents=True, exist_ok=True)
@@ -165,6 +189,7 @@ def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
         "held-out inputs and on perturbed ones (shifted, rotated, blurred, noisy), and the gate holds each "
         "drop's one-sided 95 % upper confidence bound (in brackets) to the budget.\n\n"
         f"## Profile of the served variant ({served})\n\n{profile_table(served_profile)}\n"
+        f"{cascade_text(candidates)}"
         f"## Tuning trials\n\n{trials or 'none'}\n\n"
         "![accuracy against throughput](frontier.png)\n\n![latency against batch size](latency.png)\n"
     )

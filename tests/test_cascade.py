@@ -13,6 +13,7 @@ import pytest
 from pipeline.cascade import calibrate, cascade_outputs, student_share
 from pipeline.datasets import digits_split
 from pipeline.recipe import Budget
+from pipeline.report import write_report
 from pipeline.tasks import TASKS
 from serving.engine import EngineSettings, open_engine
 from serving.model_runtime import CascadeImageRuntime, answered_by_teacher, read_spec
@@ -90,7 +91,9 @@ def test_the_cascade_runtime_answers_with_the_student_where_sure_and_the_teacher
     assert 0 < by_teacher.sum() < len(images)  # both models answered some
 
 
-def test_the_pipeline_stores_a_calibrated_cascade_with_both_graphs_and_serves_it(digits_model) -> None:
+def test_the_pipeline_stores_a_calibrated_cascade_with_both_graphs_and_serves_it(
+    digits_model, digits_recipe, tmp_path: Path
+) -> None:
     served = digits_model.model
     cascade = next(c for c in digits_model.candidates if c.variant == "cascade")
     assert cascade.accepted, cascade.reason
@@ -101,3 +104,5 @@ def test_the_pipeline_stores_a_calibrated_cascade_with_both_graphs_and_serves_it
     shares = cascade.config["student_share"]
     assert set(shares) == {"held-out", "perturbed"} and all(0 < share <= 1 for share in shares.values())
     assert {"held-out", "perturbed"} == set(cascade.slices) and cascade.profile
+    report = write_report(digits_recipe.recipe, digits_model, tmp_path).read_text()
+    assert f"at least {spec.cascade.threshold:.4f}" in report and "| perturbed |" in report
