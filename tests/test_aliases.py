@@ -183,6 +183,7 @@ class Front:
     tag: str
     model: Batcher
     kind: str = "embed"
+    cascade: bool = False
 
     def close(self) -> None:
         self.model.close()

@@ -375,7 +375,7 @@ def test_a_connection_that_retries_before_its_retry_after_is_held_while_a_crowd_
 
     assert {(r.status_code, r.json()["type"]) for r in [*responses, first, again]} == {(503, "overloaded")}
     assert held_after_crowd == held_before
-    assert again.elapsed.total_seconds() >= 0.9 * int(first.headers["retry-after"])
+    assert again.elapsed.total_seconds() >= 0.8 * int(first.headers["retry-after"])  # held: 0.9 of it, less the gap
     with server.client() as client:
         assert held_refusals(client) == held_before + 1
         assert refusals(client, "classify").get("deadline", 0.0) == refused_before + 62
