@@ -105,42 +105,42 @@ class Optiserve:
     # Each model is also served at its own path (`model_endpoints`, below).
 
     @bentoml.api(input_spec=ClassifyRequest, output_spec=ClassifyResponse)
-    async def classify(self, ctx: bentoml.Context, **unread: None) -> ClassifyResponse | Response:
+    async def classify(self, ctx: bentoml.Context, **unread: None) -> Response:
         """Classify one image: a multipart file field `image`, or the whole body as an image."""
         return await api.answer(ctx, api.classify, self, "classify")
 
     @bentoml.api(input_spec=ClassifyBatchRequest, output_spec=ClassifyBatchResponse)
-    async def classify_batch(self, ctx: bentoml.Context, **unread: None) -> ClassifyBatchResponse | Response:
+    async def classify_batch(self, ctx: bentoml.Context, **unread: None) -> Response:
         """Classify several images (repeated multipart field `images`), answered in request order."""
         return await api.answer(ctx, api.classify_batch, self, "classify")
 
     @bentoml.api(input_spec=EmbedRequest, output_spec=EmbedResponse)
-    async def embed(self, ctx: bentoml.Context, **unread: None) -> EmbedResponse | Response:
+    async def embed(self, ctx: bentoml.Context, **unread: None) -> Response:
         """Embed texts (interactive: refused at once when it cannot be answered in time)."""
         return await api.answer(ctx, api.embed, self, "embed")
 
     @bentoml.task(input_spec=EmbedRequest, output_spec=EmbedResponse)
-    async def embed_bulk(self, ctx: bentoml.Context, **unread: None) -> EmbedResponse | Response:
+    async def embed_bulk(self, ctx: bentoml.Context, **unread: None) -> Response:
         """Embed a large job of texts at low priority, in the engine's spare time: submit, poll, get."""
         return await api.answer(ctx, api.embed_bulk, self, "embed")
 
 
-# The BentoML APIs of one operation at a model's own path: the endpoint function, the specs, the description.
+# The BentoML APIs of one operation at a model's own path: the specs and the description (the
+# endpoint function is api.ENDPOINTS').
 MODEL_OPERATIONS = {
-    "classify": (api.classify, ClassifyRequest, ClassifyResponse, "Classify one image with {model}, as /classify."),
+    "classify": (ClassifyRequest, ClassifyResponse, "Classify one image with {model}, as /classify."),
     "classify_batch": (
-        api.classify_batch,
         ClassifyBatchRequest,
         ClassifyBatchResponse,
         "Classify several images with {model}, as /classify_batch.",
     ),
-    "embed": (api.embed, EmbedRequest, EmbedResponse, "Embed texts with {model}, as /embed."),
+    "embed": (EmbedRequest, EmbedResponse, "Embed texts with {model}, as /embed."),
 }
 
 
 def model_endpoint(name: str, model: str, operation: str) -> Any:
     """The BentoML API answering `operation` at /models/<model>/<operation>, on the route `name`."""
-    endpoint, request, response, description = MODEL_OPERATIONS[operation]
+    endpoint, (request, response, description) = api.ENDPOINTS[operation], MODEL_OPERATIONS[operation]
 
     async def answer(self: Optiserve, ctx: bentoml.Context, **unread: None) -> Any:
         return await api.answer(ctx, endpoint, self, name)
