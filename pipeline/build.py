@@ -166,11 +166,18 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
         candidates = tune_variants(recipe, inputs, data, predict, reference, step)
         if CASCADE in recipe.variants:
             step("variant cascade: calibrating its threshold")
-            labels = {name: split.labels for name, split in data.evaluation.items()}
             outputs_on = _outputs_on(data, settings)
             candidates.append(
                 cascade_candidate(
-                    task, candidates, data.threshold, outputs_on, predict, reference, labels, recipe.budget, workdir
+                    task,
+                    candidates,
+                    data.threshold,
+                    outputs_on,
+                    predict,
+                    reference,
+                    data.labels,
+                    recipe.budget,
+                    workdir,
                 )
             )
         step("profiling (interleaved): " + ", ".join(c.variant for c in candidates if c.accepted) + ", PyTorch eager")
@@ -223,7 +230,7 @@ def tune_variants(
 ) -> list[Candidate]:
     """FP32 (`reference`: its outputs per evaluation slice) as the reference, then each requested
     kind tuned against the budget, in recipe order."""
-    labels = {name: split.labels for name, split in data.evaluation.items()}
+    labels = data.labels
     candidates = [
         Candidate(
             variant="fp32",

@@ -74,11 +74,11 @@ class CascadeImageRuntime(ImageModelRuntime):
     def predict(self, images: np.ndarray) -> np.ndarray:
         probabilities = super().predict(images)
         unsure = probabilities.max(-1) < self.threshold
+        outputs = np.concatenate([probabilities, unsure[:, None].astype(probabilities.dtype)], axis=1)
         if unsure.any():
-            probabilities = probabilities.copy()
             (input_name,) = self.teacher.input_names
-            probabilities[unsure] = self.teacher.run({input_name: images[unsure]})[self.teacher.output_names[0]]
-        return np.concatenate([probabilities, unsure[:, None].astype(probabilities.dtype)], axis=1)
+            outputs[unsure, :-1] = self.teacher.run({input_name: images[unsure]})[self.teacher.output_names[0]]
+        return outputs
 
     def warm_up(self, max_batch_size: int, max_batch_tokens: int | None = None) -> None:
         super().warm_up(max_batch_size, max_batch_tokens)

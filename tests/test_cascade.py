@@ -65,8 +65,7 @@ def test_a_student_unsure_of_everything_leaves_every_row_to_the_teacher() -> Non
 @pytest.fixture(scope="module")
 def stored_digits_models(digits_model) -> dict[str, bentoml.Model]:
     """Every stored variant of the session's digits build, by variant."""
-    stored = [m for m in bentoml.models.list("digits-classifier") if m.info.labels.get("variant")]
-    return {m.info.labels["variant"]: m for m in stored if str(m.tag).startswith("digits-classifier:")}
+    return {m.info.labels["variant"]: m for m in bentoml.models.list("digits-classifier")}
 
 
 def test_the_cascade_runtime_answers_with_the_student_where_sure_and_the_teacher_elsewhere(

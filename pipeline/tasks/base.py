@@ -45,6 +45,11 @@ class TaskData:
     training: Split | None = None
     threshold: Split | None = None  # where a cascade's threshold is calibrated, never judged on
 
+    @property
+    def labels(self) -> dict[str, np.ndarray | None]:
+        """Each evaluation slice's labels, where it has them (the gate's accuracy needs them)."""
+        return {name: split.labels for name, split in self.evaluation.items()}
+
 
 class PipelineTask(ABC):
     name: ClassVar[Task]
