@@ -18,7 +18,8 @@ The SLO is the route's `max_latency_ms`, the deadline the service admits request
 requests are then held to: at the default deadline a flood of a few times the knee is usually
 admitted whole, and this shows the refusals. The flood's clients retry the instant they are
 answered, refused or not, the worst case for the service (serving/door.py holds their refusals);
-with `--honour-retry-after` a refused client waits as long as its Retry-After asks first.
+with `--honour-retry-after` a refused client waits as long as its Retry-After asks, then
+retries the same request with the same `X-Request-ID`, as SDKs do.
 A table, JSON and a timeline plot per endpoint go to reports/bench/.
 """
 
@@ -28,9 +29,10 @@ import argparse
 import asyncio
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKET_S = 0.5
@@ -51,7 +53,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--deadline-ms", type=int, help="the flood's requests carry this X-Deadline-Ms, so that some are refused"
     )
     parser.add_argument(
-        "--honour-retry-after", action="store_true", help="a refused flood client waits its Retry-After, as SDKs do"
+        "--honour-retry-after",
+        action="store_true",
+        help="a refused flood client waits its Retry-After, then retries with the same X-Request-ID, as SDKs do",
     )
     parser.add_argument("--unloaded-s", type=float, default=10.0)
     parser.add_argument("--recovery-s", type=float, default=6.0)
@@ -74,6 +78,8 @@ class FloodResult:
     recovery_p99_ms: list[float | None]  # per BUCKET_S from the flood's end
     recovered_after_s: float | None  # start of the first bucket from which p99 stays within bound
     rss_mib: list[tuple[float, float]]  # (seconds from the flood's start, workers' MiB), from before it
+    refused_by_reason: dict[str, float] = field(default_factory=dict)  # the server's count, this endpoint
+    refusals_held: float = 0.0  # the server's count of refusals held (serving/door.py), all endpoints
 
 
 async def flood_then_recover(
@@ -103,6 +109,7 @@ async def flood_then_recover(
             await asyncio.sleep(RSS_SAMPLE_S)
 
     await sample_rss_once(rss, started, supervisor)  # before the first request
+    counted_before = await refusal_counts(url)
     sampling = asyncio.create_task(sample_rss())
     flooding = asyncio.create_task(
         closed_loop(
@@ -124,10 +131,36 @@ async def flood_then_recover(
     stop_sampling.set()
     await sampling
     await sample_rss_once(rss, started, supervisor)
+    counted = {name: value - counted_before.get(name, 0.0) for name, value in (await refusal_counts(url)).items()}
     flood_pool.close()
     probe_pool.close()
     flooded = flood.between(started, stopped)
-    return summarize_flood(flooded, probe.outcomes, started, stopped, concurrency, bound_ms, rss)
+    result = summarize_flood(flooded, probe.outcomes, started, stopped, concurrency, bound_ms, rss)
+    held = counted.pop(HELD, 0.0)
+    return replace(result, refused_by_reason={k: v for k, v in counted.items() if v}, refusals_held=held)
+
+
+HELD = "held"  # refusal_counts' key for the held refusals
+
+
+async def refusal_counts(url: str) -> dict[str, float]:
+    """The server's refusals of `url`'s endpoint by reason, and (under HELD) the refusals it held."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loadtest.client import fetch
+    from loadtest.server_metrics import endpoint_label
+    from serving.metrics import HELD_METRIC, REFUSED_METRIC
+
+    page = (await fetch(urlunsplit((*urlsplit(url)[:2], "/metrics", "", "")), timeout=10)).body.decode()
+    endpoint, counts = endpoint_label(urlsplit(url).path), {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == f"{REFUSED_METRIC}_total" and sample.labels.get("endpoint") == endpoint:
+                reason = sample.labels["reason"]
+                counts[reason] = counts.get(reason, 0.0) + sample.value
+            elif sample.name == f"{HELD_METRIC}_total":
+                counts[HELD] = sample.value
+    return counts
 
 
 async def sample_rss_once(rss: list[tuple[float, float]], started: float, supervisor: int) -> None:
@@ -280,6 +313,7 @@ def print_summary(results: dict[str, Any]) -> None:
         "accepted p99 ms (SLO)",
         "refused p99 ms",
         "statuses",
+        "refused by reason (held)",
         "recovered after s",
         "workers MiB before / peak / after",
     ):
@@ -294,6 +328,7 @@ def print_summary(results: dict[str, Any]) -> None:
             f"{number_text(flood['accepted_p99_ms'])} ({r['slo_ms']:g})",
             number_text(flood["refused_p99_ms"]),
             " ".join(f"{k}:{v}" for k, v in flood["statuses"].items()),
+            reasons_text(flood["refused_by_reason"], flood["refusals_held"]),
             number_text(flood["recovered_after_s"]),
             "{before_mib:.0f} / {peak_mib:.0f} / {after_mib:.0f}".format(**r["targets"]["memory_bounded"]),
         )
@@ -302,6 +337,10 @@ def print_summary(results: dict[str, Any]) -> None:
     for model, r in results["models"].items():
         for name, verdict in r["targets"].items():
             console.print(f"{model}: {name}: {verdict_text(verdict)}")
+
+
+def reasons_text(by_reason: dict[str, float], held: float) -> str:
+    return " ".join(f"{reason}:{count:.0f}" for reason, count in by_reason.items()) + f" ({held:.0f})"
 
 
 def write_plot(results: dict[str, Any], path: Path) -> None:

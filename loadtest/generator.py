@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import random
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,13 @@ async def send(pool: Pool, request: Request, recorder: Recorder, since: float) -
     return wait
 
 
+def with_request_id(request: Request, request_id: str) -> Request:
+    """`request` carrying `X-Request-ID: request_id`, a header inserted after its request line."""
+    line_end = request.data.index(b"\r\n") + 2
+    header = f"X-Request-ID: {request_id}\r\n".encode("latin-1")
+    return Request(request.data[:line_end] + header + request.data[line_end:], request.rows)
+
+
 def retry_after_s(value: str | None) -> float:
     """Retry-After in seconds (RFC 9110: whole seconds; a date or junk counts as 1 s)."""
     return float(value) if value is not None and value.isdigit() else 1.0
@@ -67,15 +75,20 @@ async def closed_loop(
     honour_retry_after: bool = False,
 ) -> None:
     """`concurrency` workers, each sending its next request as soon as the last one answered, or,
-    `honour_retry_after`, after a refusal, once its Retry-After has passed (or the load stops)."""
+    `honour_retry_after`, as SDKs retry: a refused request again, with the same `X-Request-ID`,
+    once its Retry-After has passed (or the load stops)."""
     order = itertools.cycle(requests)
+    ids = (f"{secrets.token_hex(4)}-{n}" for n in itertools.count())
 
     async def worker() -> None:
         while not stop.is_set():
-            wait = await send(pool, next(order), recorder, time.perf_counter())
-            if wait is not None and honour_retry_after:
+            request = with_request_id(next(order), next(ids)) if honour_retry_after else next(order)
+            wait = await send(pool, request, recorder, time.perf_counter())
+            while wait is not None and honour_retry_after and not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), wait)
+                if not stop.is_set():
+                    wait = await send(pool, request, recorder, time.perf_counter())
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 

@@ -145,7 +145,7 @@ async def outcome(
         return await endpoint(routed, request)
     except Refused as exc:
         if front.early_retries is not None:
-            await front.early_retries.hold(request.client, exc)
+            await front.early_retries.hold(request.scope, exc)
         return error_answer(exc)
     except Exception as exc:
         error = error_answer(exc)

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from serving.door import DRAIN_LIMIT_BYTES, MAX_HOLD_S, Door, EarlyRetries
+from serving.door import DRAIN_LIMIT_BYTES, MAX_HOLD_S, Door, EarlyRetries, client_of
 from serving.errors import DeadlineUnmet, QueueFull, Refused
 from tests.test_batching import RecordingModel, make_batcher, sample, submit
 
@@ -94,6 +94,24 @@ def test_a_connection_back_before_its_retry_after_is_held_until_then_and_one_tha
     assert early.delay(first, 100.1, retry_after_s=1.0) == pytest.approx(0.8)  # its wait ends at 90 % of 1 s
     assert early.delay(second, 100.1, retry_after_s=1.0) == 0.0  # another connection is not held for it
     assert early.delay(first, 101.0 + 0.9, retry_after_s=1.0) == 0.0  # back when asked, after its held refusal
+
+
+def test_a_request_id_names_the_client_on_any_connection_and_without_one_the_connection_does() -> None:
+    """Behind a shared pool, two clients' requests take turns on one connection: told apart by
+    their ids, neither is held for the other, and a retry keeping its id is held wherever it comes."""
+
+    def request(port: int | None, request_id: bytes | None) -> dict:
+        headers = [(b"content-type", b"image/jpeg")] + ([] if request_id is None else [(b"x-request-id", request_id)])
+        return {"client": None if port is None else ("10.0.0.1", port), "headers": headers}
+
+    assert client_of(request(5001, b"a")) == client_of(request(5002, b"a")) == ("id", "a")
+    assert client_of(request(5001, None)) == client_of(request(5001, b"\x00 no id")) == ("connection", "10.0.0.1", 5001)
+    assert client_of(request(None, None)) is None
+
+    early = EarlyRetries()
+    assert early.delay(client_of(request(5001, b"a")), 100.0, retry_after_s=1.0) == 0.0
+    assert early.delay(client_of(request(5001, b"b")), 100.1, retry_after_s=1.0) == 0.0
+    assert early.delay(client_of(request(5002, b"a")), 100.2, retry_after_s=1.0) == pytest.approx(0.7)
 
 
 def test_many_connections_refused_together_are_all_answered_at_once() -> None:

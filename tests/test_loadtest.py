@@ -158,7 +158,8 @@ def test_requests_carry_the_headers_asked_for_on_every_replay() -> None:
 
 @pytest.mark.parametrize(("honour", "at_most"), [(True, 4), (False, None)])
 def test_a_client_honouring_retry_after_waits_before_its_next_request(tiny_server, honour, at_most) -> None:
-    """Two clients for 1.5 s, every answer a 503 with Retry-After: 1."""
+    """Two clients for 1.5 s, every answer a 503 with Retry-After: 1; honouring it, a client
+    retries the same request with the same X-Request-ID, as SDKs do."""
     url = tiny_server.url + "/refuse"
     requests = post_requests(url, [directives(status=503, retry_after="1")])
     recorder = Recorder()
@@ -174,10 +175,13 @@ def test_a_client_honouring_retry_after_waits_before_its_next_request(tiny_serve
 
     statuses = {o.status for o in recorder.outcomes}
     assert statuses == {"503"}
+    ids = tiny_server.request_ids
     if at_most is not None:
         assert len(recorder.outcomes) <= at_most
+        assert len(set(ids)) == 2 and None not in ids, "each client retries its one request, keeping its id"
     else:
         assert len(recorder.outcomes) > 20
+        assert set(ids) == {None}
 
 
 def test_failures_are_counted_by_name() -> None:

@@ -23,6 +23,7 @@ class TinyServer:
     def __init__(self) -> None:
         self.connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
         self.requests: list[tuple[str, str, bytes]] = []  # method, path, body
+        self.request_ids: list[str | None] = []  # each request's X-Request-ID, in the same order
         self.url = ""
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -34,6 +35,7 @@ class TinyServer:
                 headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in head[1:] if line)}
                 body = await reader.readexactly(int(headers.get("content-length", 0)))
                 self.requests.append((method, path, body))
+                self.request_ids.append(headers.get("x-request-id"))
                 directives = json.loads(body) if method == "POST" else {}
                 await asyncio.sleep(directives.get("sleep", 0))
                 reply = body if method == "POST" else f"# GET {path}\n".encode()
