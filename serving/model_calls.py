@@ -29,6 +29,7 @@ import math
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, TypeVar
 
@@ -42,12 +43,12 @@ from serving.errors import Refused
 from serving.manifest import Route
 from serving.metrics import ModelMetrics
 from serving.model_runtime import TextModelRuntime, load_runtime
-from serving.settings import front_workers, max_queue_rows, model_placement
+from serving.settings import engine_niceness, front_workers, max_queue_rows, model_placement
 
 logger = logging.getLogger(__name__)
 
 MODEL_CONNECTIONS = {"max_requests": 2**31 - 1, "max_age": 1.0e9}
-LOWEST_PRIORITY = 19  # nice value of a background model's engine thread
+LOWEST_PRIORITY = 19  # how much a background model's engine thread is lowered: to nice 19
 
 # Sees a model call's rows, outputs and seconds once the answer is ready (a shadow: serving/shadow.py).
 Observer = Callable[[np.ndarray | list, np.ndarray, float], None]
@@ -87,16 +88,24 @@ def in_process_model(
     took 1.4–1.9 s of both cores; a larger batch then grows the session's memory once, on traffic.
     `background` (a shadow, serving/shadow.py): one intra-op thread, the engine thread's own, at
     the lowest CPU priority, so that it takes only the cores the answers leave idle; at normal
-    priority (one thread too) it slowed /embed's p50 at concurrency 1 by 24 %."""
+    priority (one thread too) it slowed /embed's p50 at concurrency 1 by 24 %.
+
+    Every engine thread, the batcher's and the engine's own pool, runs below the event loop's
+    priority (`engine_niceness`): the session is opened on a thread lowered first, whose pool
+    threads inherit its nice value, and the batcher's thread lowers itself on its first batch."""
     settings = EngineSettings.from_environment(processes=processes)
+    niceness = LOWEST_PRIORITY if background else engine_niceness()
     if background:
         settings = dataclasses.replace(settings, intra_op_threads=1)
-    runtime = load_runtime(
-        endpoint,
-        stored,
-        max_batch_size=1 if light_warm_up else route.max_batch_size,
-        max_batch_tokens=None if light_warm_up else route.max_batch_tokens,
-        settings=settings,
+    runtime = on_lowered_thread(
+        niceness,
+        lambda: load_runtime(
+            endpoint,
+            stored,
+            max_batch_size=1 if light_warm_up else route.max_batch_size,
+            max_batch_tokens=None if light_warm_up else route.max_batch_tokens,
+            settings=settings,
+        ),
     )
     limits = BatchLimits(
         max_batch_size=route.max_batch_size,
@@ -105,23 +114,41 @@ def in_process_model(
         max_queue_rows=max_queue_rows(route.max_batch_size),
     )
     metrics = ModelMetrics(endpoint=endpoint, model=str(stored.tag))
-    predict = at_lowest_priority(runtime.predict) if background else runtime.predict
+    predict = at_priority(runtime.predict, niceness)
     return Batcher(predict, limits=limits, metrics=metrics, tokens=isinstance(runtime, TextModelRuntime))
 
 
-def at_lowest_priority(predict: Callable[[Any], np.ndarray]) -> Callable[[Any], np.ndarray]:
-    """`predict`, its calling thread (a batcher's engine thread: its own) lowered to nice 19 on its
-    first call. Linux sets the nice value per thread; raising it needs no privilege."""
+def lower_this_thread(niceness: int) -> None:
+    """This thread's nice value raised by `niceness`. Linux sets it per thread, threads inherit it
+    from the thread that starts them, and raising it needs no privilege."""
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + niceness))
+    except OSError as exc:
+        logger.warning("could not lower the priority of thread %d (%s): it runs at the normal one", thread, exc)
+
+
+def on_lowered_thread(niceness: int, build: Callable[[], Out]) -> Out:
+    """`build()`, run on a thread of its own lowered by `niceness`, so that the threads it starts
+    (ONNX Runtime's intra-op pool) run lowered too."""
+    if not niceness:
+        return build()
+    with ThreadPoolExecutor(1, initializer=lower_this_thread, initargs=(niceness,)) as pool:
+        return pool.submit(build).result()
+
+
+def at_priority(predict: Callable[[Any], np.ndarray], niceness: int) -> Callable[[Any], np.ndarray]:
+    """`predict`, its calling thread (a batcher's engine thread: its own) lowered by `niceness`
+    on its first call."""
+    if not niceness:
+        return predict
     lowered: set[int] = set()
 
     def run(rows: Any) -> np.ndarray:
         thread = threading.get_native_id()
         if thread not in lowered:
             lowered.add(thread)
-            try:
-                os.setpriority(os.PRIO_PROCESS, thread, LOWEST_PRIORITY)
-            except OSError as exc:
-                logger.warning("could not lower the priority of thread %d (%s): it runs at the normal one", thread, exc)
+            lower_this_thread(niceness)
         return predict(rows)
 
     return run

@@ -25,6 +25,16 @@ def model_placement() -> Placement:
     return value
 
 
+def engine_niceness() -> int:
+    """How much lower than the event loop's the engine threads' CPU priority is (nice, 0-19): on
+    a few cores the loop, which reads, admits, refuses and answers, must not wait behind a batch
+    that can as well take the cycles it leaves. `OPTISERVE_ENGINE_NICE`; 0 runs them alike."""
+    value = int(os.environ.get("OPTISERVE_ENGINE_NICE", "10"))
+    if not 0 <= value <= 19:
+        raise ValueError(f"OPTISERVE_ENGINE_NICE={value}: expected 0 to 19")
+    return value
+
+
 def max_queue_rows(max_batch_size: int) -> int:
     """Rows a model's queue may hold (admitted, not yet running) before it answers 429: bounds
     memory whatever the deadline. `OPTISERVE_MAX_QUEUE_ROWS` overrides; default 32 full batches."""

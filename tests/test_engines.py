@@ -3,6 +3,7 @@ file, is safe to call from several threads, and a model stored with it is served
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from pipeline.recipe import load_recipe
 from sample_inputs import sample_photos
 from serving.engine import EngineSettings, open_engine
 from serving.manifest import ServingManifest, read_manifest, write_manifest
+from serving.model_calls import on_lowered_thread
 from serving.model_runtime import engine_of, read_spec
 from serving.model_spec import ONNX_FILE
 
@@ -49,6 +51,25 @@ def test_openvino_answers_each_calling_thread_with_its_own_rows(built_models, ph
         )
     for one, other in zip(alone, together, strict=True):
         np.testing.assert_array_equal(one, other)
+
+
+def thread_nice_values(process: int | str = "self") -> dict[int, int]:
+    """Each thread of a process and its nice value (/proc: the 19th field of its stat)."""
+    tasks = Path(f"/proc/{process}/task")
+    return {int(t.name): int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
+
+
+def test_a_session_opened_on_a_lowered_thread_runs_its_own_threads_lowered_and_the_caller_is_untouched(
+    built_models,
+) -> None:
+    before = thread_nice_values()
+    path = fp32_export(built_models["image-classifier"])
+    engine = on_lowered_thread(7, lambda: open_engine("onnxruntime", path, EngineSettings(2)))
+    started = {tid: nice for tid, nice in thread_nice_values().items() if tid not in before}
+
+    assert started and set(started.values()) == {before[threading.get_native_id()] + 7}  # ONNX Runtime's pool
+    assert thread_nice_values()[threading.get_native_id()] == before[threading.get_native_id()]
+    del engine
 
 
 def test_an_unknown_engine_is_named_with_the_known_ones(built_models) -> None:

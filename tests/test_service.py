@@ -20,6 +20,7 @@ import psutil
 import pytest
 from PIL import Image
 from scrape import samples
+from test_engines import thread_nice_values
 
 from bench.processes import OPTISERVE, free_port
 from sample_inputs import encode, sample_photos
@@ -353,9 +354,11 @@ def held_refusals(client: httpx.Client) -> float:
     return sum(value for _, value in samples(client, "optiserve_refusals_held_total"))
 
 
-def test_a_connection_that_retries_before_its_retry_after_is_held_while_a_crowd_of_new_ones_is_not(server) -> None:
-    """A hopeless deadline refuses every request: 60 connections at once are all answered at once,
-    and one that comes straight back on its connection waits out its Retry-After first."""
+def test_a_client_that_retries_before_its_retry_after_is_held_while_a_crowd_of_new_ones_is_not(server) -> None:
+    """A hopeless deadline refuses every request: 60 connections at once are all answered at once;
+    one that comes straight back on its connection waits out its Retry-After first, and so does a
+    retry that keeps its X-Request-ID on another connection, while another request id on the
+    same connection (another client of a shared pool) is answered at once."""
     photo = sample_photos()["chelsea"]
     hopeless = {**JPEG, "X-Deadline-Ms": "1"}
     with server.client() as client:
@@ -371,14 +374,23 @@ def test_a_connection_that_retries_before_its_retry_after_is_held_while_a_crowd_
     with server.client() as client:
         held_after_crowd = held_refusals(client)
         first, again = (client.post("/classify", content=photo, headers=hopeless) for _ in range(2))
-        assert client.post("/classify", content=photo, headers=JPEG).status_code == 200
+        held_by_connection = held_refusals(client)
+        pooled = [client.post("/classify", content=photo, headers={**hopeless, "X-Request-ID": n}) for n in "ab"]
+    with server.client() as another_connection:
+        retried = another_connection.post("/classify", content=photo, headers={**hopeless, "X-Request-ID": "a"})
+        assert another_connection.post("/classify", content=photo, headers=JPEG).status_code == 200
 
-    assert {(r.status_code, r.json()["type"]) for r in [*responses, first, again]} == {(503, "overloaded")}
+    everything = [*responses, first, again, *pooled, retried]
+    assert {(r.status_code, r.json()["type"]) for r in everything} == {(503, "overloaded")}
     assert held_after_crowd == held_before
+    assert held_by_connection == held_before + 1
     assert again.elapsed.total_seconds() >= 0.8 * int(first.headers["retry-after"])  # held: 0.9 of it, less the gap
+    assert max(r.elapsed.total_seconds() for r in pooled) < 0.5  # the connection's own hold is not theirs
+    gap = pooled[1].elapsed.total_seconds()  # between the refusal of "a" and its retry, at least
+    assert retried.elapsed.total_seconds() >= 0.8 * int(pooled[0].headers["retry-after"]) - gap
     with server.client() as client:
-        assert held_refusals(client) == held_before + 1
-        assert refusals(client, "classify").get("deadline", 0.0) == refused_before + 62
+        assert held_refusals(client) == held_before + 2
+        assert refusals(client, "classify").get("deadline", 0.0) == refused_before + 65
 
 
 def test_models_in_their_own_services_answer_as_in_process(server, model_services_server) -> None:
@@ -395,6 +407,22 @@ def test_models_in_their_own_services_answer_as_in_process(server, model_service
     for ours, theirs in zip(in_process, services, strict=True):
         np.testing.assert_allclose([p["score"] for p in ours], [p["score"] for p in theirs], atol=1e-5)
     np.testing.assert_allclose(in_process_vectors, services_vectors, atol=1e-5)
+
+
+def test_the_engine_threads_run_below_the_event_loops_priority(server) -> None:
+    """The worker's main thread, its event loop, keeps nice 0; each model's engine thread and
+    ONNX Runtime's pool threads run at OPTISERVE_ENGINE_NICE's default, 10."""
+    with server.client() as client:
+        assert client.post("/embed", json={"texts": ["a short sentence"]}).status_code == 200
+        assert client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG).status_code == 200
+    (worker,) = [
+        p
+        for p in psutil.Process(server.process.pid).children(recursive=True)
+        if "onnxruntime" in Path(f"/proc/{p.pid}/maps").read_text()
+    ]
+    nice = thread_nice_values(worker.pid)
+    assert nice[worker.pid] == 0
+    assert sum(value == 10 for value in nice.values()) >= 4  # two engine threads, two pool threads at least
 
 
 def test_no_serving_process_loads_torch(server) -> None:
