@@ -206,7 +206,11 @@ class Batcher(Generic[Rows]):
         budget_ms = self._budget_ms(timeout_ms)
         per_cost = self._speed.seconds_per_cost or 0.0
         # Reserved work reaches the queue about when this request does, queued work meanwhile drains.
-        ahead = max(self._speed.preparation_seconds or 0.0, self._queued_seconds(now)) + queue.reserved_cost * per_cost
+        # The preparation time counts while others are being prepared: it was measured on admitted
+        # requests, so with none in preparation it is a figure from a past crowd, which would
+        # otherwise refuse everything it no longer gets to measure.
+        preparing = (self._speed.preparation_seconds or 0.0) if queue.reserved_rows else 0.0
+        ahead = max(preparing, self._queued_seconds(now)) + queue.reserved_cost * per_cost
         late = ahead + own_cost * per_cost - budget_ms / 1000
         if late <= 0:
             return None, now + budget_ms / 1000

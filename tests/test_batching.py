@@ -206,6 +206,31 @@ def test_the_time_requests_take_to_reach_the_queue_counts_in_what_is_admitted() 
     assert all(isinstance(o, np.ndarray | DeadlineUnmet) for o in outcomes)
 
 
+def test_a_preparation_time_measured_on_a_past_crowd_refuses_no_one_once_nothing_is_in_preparation() -> None:
+    """Requests that took 250 ms to reach the queue (a crowd decoding at once) teach the batcher
+    that; once none is in preparation, a lone request with a 100 ms deadline on the idle engine
+    is let in, not refused for a crowd that has gone (it would never be measured again)."""
+    batcher = make_batcher(RecordingModel(seconds_per_batch=0.01), endpoint="crowd-gone", max_latency_ms=1000)
+
+    async def prepared(rows: np.ndarray) -> np.ndarray:
+        with batcher.admit(len(rows)) as admission:
+            await asyncio.sleep(0.25)
+            return await batcher.run(rows, admission)
+
+    async def scenario() -> list:
+        await asyncio.gather(*(prepared(np.ones((1, 1))) for _ in range(4)))
+        crowded = [asyncio.ensure_future(prepared(np.ones((1, 1))))]
+        await asyncio.sleep(0.01)
+        during = await together(batcher, [np.ones((1, 1))], timeout_ms=100)
+        await asyncio.gather(*crowded)
+        return during + await together(batcher, [np.ones((1, 1))], timeout_ms=100)
+
+    during_a_crowd, after_it = asyncio.run(scenario())
+
+    assert isinstance(during_a_crowd, DeadlineUnmet)  # another is in preparation: 250 ms ahead
+    np.testing.assert_array_equal(after_it, np.ones((1, 1)) * 2)
+
+
 async def behind_a_busy_engine(batcher: Batcher, *, timeout_ms: float) -> object:
     """One request sent behind two 50 ms batches: it would be answered after about 0.15 s."""
     await submit(batcher, np.ones((1, 1)))  # the batcher learns the engine's speed
