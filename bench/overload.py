@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKET_S = 0.5
@@ -148,10 +148,10 @@ async def refusal_counts(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from loadtest.client import fetch
-    from loadtest.server_metrics import endpoint_label
+    from loadtest.server_metrics import endpoint_label, metrics_url
     from serving.metrics import HELD_METRIC, REFUSED_METRIC
 
-    page = (await fetch(urlunsplit((*urlsplit(url)[:2], "/metrics", "", "")), timeout=10)).body.decode()
+    page = (await fetch(metrics_url(url), timeout=10)).body.decode()
     endpoint, counts = endpoint_label(urlsplit(url).path), {}
     for family in text_string_to_metric_families(page):
         for sample in family.samples:

@@ -8,6 +8,7 @@ request durations; another server simply yields no breakdown.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 QUEUE = "optiserve_batch_queue_seconds"
 INFERENCE = "optiserve_inference_seconds"
@@ -47,6 +48,12 @@ class Breakdown:
     model_requests: int
     front_ms: float | None
     model_service_ms: float | None
+
+
+def metrics_url(url: str) -> str:
+    """The /metrics page of the server that `url` is on."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
 
 
 def endpoint_label(path: str) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import httptools
 import uvloop
@@ -23,7 +23,7 @@ from loadtest.capacity import CapacityPlan, Knee, Point, capacity_plan, find_kne
 from loadtest.client import Pool, fetch, origin
 from loadtest.generator import Request, closed_loop, open_loop, post_requests
 from loadtest.inputs import Payload
-from loadtest.server_metrics import Breakdown, Snapshot, breakdown, parse
+from loadtest.server_metrics import Breakdown, Snapshot, breakdown, metrics_url, parse
 from loadtest.stats import Recorder, Summary, is_stable, summarize
 
 Mode = Literal["concurrency", "rate"]
@@ -66,8 +66,7 @@ class SweepSettings:
     def scrape_url(self) -> str | None:
         if self.metrics_url is not None:
             return self.metrics_url or None
-        parts = urlsplit(self.url)
-        return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
+        return metrics_url(self.url)
 
     @property
     def path(self) -> str:
