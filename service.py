@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 import bentoml
+from bentoml._internal.configuration.containers import BentoMLContainer
 from starlette.responses import Response
 
 from serving import api
@@ -39,7 +40,7 @@ from serving.schemas import (
     EmbedResponse,
 )
 from serving.settings import front_workers
-from serving.tracing import RequestTracing
+from serving.tracing import RequestTracing, bentoml_tracing
 
 
 def identifier(model: str) -> str:
@@ -162,7 +163,11 @@ for _name, _route in routes.items():
 
 # BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG).
 Optiserve = bentoml.service(
-    name="optiserve", workers=front_workers(), traffic={"timeout": 120}, logging={"access": {"enabled": False}}
+    name="optiserve",
+    workers=front_workers(),
+    traffic={"timeout": 120},
+    logging={"access": {"enabled": False}},
+    tracing=bentoml_tracing(BentoMLContainer.config.get(), "optiserve"),
 )(Optiserve)
 Optiserve.add_asgi_middleware(RequestTracing)  # the outermost of ours: refusals at the door carry its headers too
 Optiserve.add_asgi_middleware(Door, guards=door_guards, early_retries=early_retries)

@@ -16,8 +16,9 @@ with, before the caller's answer is handed back.
 
 The access log (logger `optiserve.access`, on stderr) has one JSON object per request, for log
 pipelines to parse instead of scraping text: its time, id, method, path, status, the model that
-answered (`X-Model-Tag`), the same timings in milliseconds, and the OpenTelemetry trace id that
-BentoML's tracing gives the request, so that a line and an exported trace can be joined. It
+answered (`X-Model-Tag`), the same timings in milliseconds, and the trace id (BentoML's
+OpenTelemetry span's, or the caller's `traceparent` one while no exporter is configured), so that
+a line and an exported trace can be joined. It
 replaces BentoML's own access line, which says less in a format of its own.
 """
 
@@ -34,6 +35,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from opentelemetry import trace as otel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,6 +48,9 @@ SERVER_TIMING_KEY = b"server-timing"
 OUR_KEYS = frozenset({REQUEST_ID_KEY, SERVER_TIMING_KEY})  # replaced on every answer
 MODEL_TAG_KEY = b"x-model-tag"
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+TRACEPARENT_KEY = b"traceparent"
+W3C_TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+EVERY_URL = ".*"  # an OpenTelemetry excluded-URL pattern, searched in each request's URL
 ACCESS_LOGGER = "optiserve.access"
 
 
@@ -105,10 +110,33 @@ def access_logger() -> logging.Logger:
     return logger
 
 
-def trace_id() -> str | None:
-    """The OpenTelemetry trace id of the request being served, if a tracer gave it one."""
+def trace_id(scope: Scope) -> str | None:
+    """The request's trace id: its OpenTelemetry span's, else its caller's W3C `traceparent` one.
+
+    BentoML opens no span while no exporter is configured (`bentoml_tracing`), and the caller's
+    id still joins this line to the caller's own trace.
+    """
     context = otel.get_current_span().get_span_context()
-    return otel.format_trace_id(context.trace_id) if context.is_valid else None
+    if context.is_valid:
+        return otel.format_trace_id(context.trace_id)
+    sent = next((value for key, value in scope["headers"] if key == TRACEPARENT_KEY), b"")
+    parent = W3C_TRACEPARENT.fullmatch(sent.decode("latin-1").strip())
+    return parent[1] if parent and parent[1] != "0" * 32 else None
+
+
+def bentoml_tracing(config: dict[str, Any], service: str) -> dict[str, Any]:
+    """Tracing defaults for `service` in BentoML's loaded `config`: with no exporter configured,
+    BentoML's middleware opens no span at all.
+
+    BentoML opens a span per request with tracing off too, and discards it: 0.3–0.5 ms per request
+    on a 2-core host, for nothing. A configured exporter (BentoML's `tracing` or the service's own)
+    keeps its spans; an `excluded_urls` of the user's own overrides this default.
+    """
+    exporters = (
+        (config.get("tracing") or {}).get("exporter_type"),
+        (((config.get("services") or {}).get(service) or {}).get("tracing") or {}).get("exporter_type"),
+    )
+    return {} if any(exporters) else {"excluded_urls": [EVERY_URL]}
 
 
 @dataclass
@@ -168,4 +196,4 @@ class RequestTracing:
         finally:
             CURRENT_TRACE.reset(token)
             if self.logger is not None:
-                self.logger.info(access_line(trace, scope, answered, trace_id()))
+                self.logger.info(access_line(trace, scope, answered, trace_id(scope)))

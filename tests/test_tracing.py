@@ -19,7 +19,7 @@ from conftest import own_home, serving
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from sample_inputs import sample_photos
-from serving.tracing import sane_request_id
+from serving.tracing import EVERY_URL, bentoml_tracing, sane_request_id, trace_id
 
 JPEG = {"Content-Type": "image/jpeg"}
 GENERATED = re.compile(r"[0-9a-f]{32}")
@@ -43,6 +43,46 @@ def test_a_sane_client_id_is_kept(sent: str) -> None:
 def test_a_missing_or_insane_client_id_is_replaced_by_a_new_one(sent: str | None) -> None:
     assert GENERATED.fullmatch(sane_request_id(sent))
     assert sane_request_id(sent) != sane_request_id(sent)
+
+
+NO_EXPORTER = {"tracing": {"exporter_type": None}, "services": {"optiserve": {"workers": 1}}}
+
+
+def test_with_no_exporter_configured_bentoml_opens_no_span_for_any_path() -> None:
+    assert bentoml_tracing(NO_EXPORTER, "optiserve") == {"excluded_urls": [EVERY_URL]}
+    assert re.search(EVERY_URL, "http://127.0.0.1:3000/embed")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {**NO_EXPORTER, "tracing": {"exporter_type": "otlp"}},  # BentoML's tracing section
+        {**NO_EXPORTER, "services": {"optiserve": {"tracing": {"exporter_type": "zipkin"}}}},  # the service's own
+    ],
+)
+def test_a_configured_exporter_keeps_bentomls_spans(config: dict) -> None:
+    assert bentoml_tracing(config, "optiserve") == {}
+
+
+def request_scope(*headers: tuple[bytes, bytes]) -> dict:
+    return {"type": "http", "headers": list(headers)}
+
+
+def test_without_a_span_the_trace_id_is_the_callers_traceparent_one() -> None:
+    sent = (b"traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    assert trace_id(request_scope(sent)) == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [],
+        [(b"traceparent", b"not a traceparent")],
+        [(b"traceparent", b"00-00000000000000000000000000000000-00f067aa0ba902b7-01")],  # W3C: invalid id
+    ],
+)
+def test_without_a_span_or_a_valid_traceparent_there_is_no_trace_id(headers: list) -> None:
+    assert trace_id(request_scope(*headers)) is None
 
 
 @pytest.mark.slow
@@ -104,8 +144,13 @@ def access_lines(log: Path, request_id: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_each_request_is_one_json_line_in_the_access_log(server) -> None:
+    caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     with server.client() as client:
-        embedded = client.post("/embed", json={"texts": ["hello"]}, headers={"X-Request-ID": "log-embed-1"})
+        embedded = client.post(
+            "/embed",
+            json={"texts": ["hello"]},
+            headers={"X-Request-ID": "log-embed-1", "traceparent": f"00-{caller_trace}-00f067aa0ba902b7-01"},
+        )
         missing = client.get("/no-such-path", headers={"X-Request-ID": "log-404-1"})
     assert embedded.status_code == 200 and missing.status_code == 404
 
@@ -118,10 +163,10 @@ def test_each_request_is_one_json_line_in_the_access_log(server) -> None:
     )
     assert list(line["ms"]) == [*timings(embedded)]  # the same steps as the answer's Server-Timing
     assert line["ms"]["total"] >= timings(embedded)["total"]  # to the last byte, the header's to the first
-    assert re.fullmatch(r"[0-9a-f]{32}", line["trace_id"])
+    assert line["trace_id"] == caller_trace  # no exporter here: the caller's trace, and no span of BentoML's
     assert datetime.fromisoformat(line["time"]).tzinfo is not None
     (other,) = access_lines(server.log, "log-404-1")
-    assert (other["path"], other["status"], other["model"]) == ("/no-such-path", 404, None)
+    assert (other["path"], other["status"], other["model"], other["trace_id"]) == ("/no-such-path", 404, None, None)
     log = server.log.read_text(errors="replace")
     assert "path=/embed" not in log, "BentoML's own access line is still written beside ours"
 
