@@ -25,11 +25,16 @@ def model_placement() -> Placement:
     return value
 
 
+# 10 served more at 8 connections (+12-29 % on one host, +5-10 % on another) but cost /embed 0.4-1.4 ms
+# at one beside the load generator; 5 kept one connection's latency with nice 0's (BENCHMARKS.md).
+DEFAULT_ENGINE_NICE = 5
+
+
 def engine_niceness() -> int:
     """How much lower than the event loop's the engine threads' CPU priority is (nice, 0-19): on
     a few cores the loop, which reads, admits, refuses and answers, must not wait behind a batch
     that can as well take the cycles it leaves. `OPTISERVE_ENGINE_NICE`; 0 runs them alike."""
-    value = int(os.environ.get("OPTISERVE_ENGINE_NICE", "10"))
+    value = int(os.environ.get("OPTISERVE_ENGINE_NICE", str(DEFAULT_ENGINE_NICE)))
     if not 0 <= value <= 19:
         raise ValueError(f"OPTISERVE_ENGINE_NICE={value}: expected 0 to 19")
     return value

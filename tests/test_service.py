@@ -25,6 +25,7 @@ from test_engines import thread_nice_values
 from bench.processes import OPTISERVE, free_port
 from sample_inputs import encode, sample_photos
 from serving.embed import decode_base64_f16
+from serving.settings import DEFAULT_ENGINE_NICE
 
 pytestmark = pytest.mark.slow
 
@@ -411,7 +412,7 @@ def test_models_in_their_own_services_answer_as_in_process(server, model_service
 
 def test_the_engine_threads_run_below_the_event_loops_priority(server) -> None:
     """The worker's main thread, its event loop, keeps nice 0; each model's engine thread and
-    ONNX Runtime's pool threads run at OPTISERVE_ENGINE_NICE's default, 10."""
+    ONNX Runtime's pool threads run at OPTISERVE_ENGINE_NICE's default."""
     with server.client() as client:
         assert client.post("/embed", json={"texts": ["a short sentence"]}).status_code == 200
         assert client.post("/classify", content=sample_photos()["chelsea"], headers=JPEG).status_code == 200
@@ -422,7 +423,8 @@ def test_the_engine_threads_run_below_the_event_loops_priority(server) -> None:
     ]
     nice = thread_nice_values(worker.pid)
     assert nice[worker.pid] == 0
-    assert sum(value == 10 for value in nice.values()) >= 4  # two engine threads, two pool threads at least
+    # two engine threads, two pool threads at least
+    assert sum(value == DEFAULT_ENGINE_NICE for value in nice.values()) >= 4
 
 
 def test_no_serving_process_loads_torch(server) -> None:
