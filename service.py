@@ -18,7 +18,6 @@ import re
 from typing import Any
 
 import bentoml
-from bentoml._internal.configuration.containers import BentoMLContainer
 from starlette.responses import Response
 
 from serving import api
@@ -167,7 +166,7 @@ Optiserve = bentoml.service(
     workers=front_workers(),
     traffic={"timeout": 120},
     logging={"access": {"enabled": False}},
-    tracing=bentoml_tracing(BentoMLContainer.config.get(), "optiserve"),
+    tracing=bentoml_tracing("optiserve"),
 )(Optiserve)
 Optiserve.add_asgi_middleware(RequestTracing)  # the outermost of ours: refusals at the door carry its headers too
 Optiserve.add_asgi_middleware(Door, guards=door_guards, early_retries=early_retries)

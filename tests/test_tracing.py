@@ -45,23 +45,29 @@ def test_a_missing_or_insane_client_id_is_replaced_by_a_new_one(sent: str | None
     assert sane_request_id(sent) != sane_request_id(sent)
 
 
-NO_EXPORTER = {"tracing": {"exporter_type": None}, "services": {"optiserve": {"workers": 1}}}
-
-
-def test_with_no_exporter_configured_bentoml_opens_no_span_for_any_path() -> None:
-    assert bentoml_tracing(NO_EXPORTER, "optiserve") == {"excluded_urls": [EVERY_URL]}
+def test_with_no_exporter_configured_bentoml_opens_no_span_for_any_path(monkeypatch, tmp_path: Path) -> None:
+    config = tmp_path / "bentoml.yaml"
+    config.write_text(yaml.safe_dump({"services": {"optiserve": {"tracing": {"sample_rate": 1.0}}}}))
+    monkeypatch.setenv("BENTOML_CONFIG", str(config))
+    monkeypatch.setenv("BENTOML_CONFIG_OPTIONS", "api_server.workers=2 tracing.exporter_type=")
+    assert bentoml_tracing("optiserve") == {"excluded_urls": [EVERY_URL]}
     assert re.search(EVERY_URL, "http://127.0.0.1:3000/embed")
 
 
 @pytest.mark.parametrize(
-    "config",
+    ("file", "options"),
     [
-        {**NO_EXPORTER, "tracing": {"exporter_type": "otlp"}},  # BentoML's tracing section
-        {**NO_EXPORTER, "services": {"optiserve": {"tracing": {"exporter_type": "zipkin"}}}},  # the service's own
+        ({"tracing": {"exporter_type": "otlp"}}, ""),  # BentoML's tracing section
+        ({"services": {"optiserve": {"tracing": {"exporter_type": "zipkin"}}}}, ""),  # the service's own
+        ({}, "services.optiserve.tracing.exporter_type=otlp"),  # an override of BENTOML_CONFIG_OPTIONS
     ],
 )
-def test_a_configured_exporter_keeps_bentomls_spans(config: dict) -> None:
-    assert bentoml_tracing(config, "optiserve") == {}
+def test_a_configured_exporter_keeps_bentomls_spans(monkeypatch, tmp_path: Path, file: dict, options: str) -> None:
+    config = tmp_path / "bentoml.yaml"
+    config.write_text(yaml.safe_dump(file))
+    monkeypatch.setenv("BENTOML_CONFIG", str(config))
+    monkeypatch.setenv("BENTOML_CONFIG_OPTIONS", options)
+    assert bentoml_tracing("optiserve") == {}
 
 
 def request_scope(*headers: tuple[bytes, bytes]) -> dict:
