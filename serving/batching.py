@@ -11,7 +11,7 @@ served at full speed instead of waiting for a deadline it was never going to mak
 queue policy, TEI's bounded queue).
 
 The engine thread forms each batch itself the moment the previous one returns: the requests
-waiting, in arrival order, up to `max_batch_size` rows and, for text, `max_batch_tokens` padded
+waiting, in the order they were admitted, up to `max_batch_size` rows and, for text, `max_batch_tokens` padded
 tokens. It never waits for a batch to fill: under load the queue fills while the engine runs,
 and a lone request runs at once. Forming batches on the engine thread rather than on the event
 loop keeps the engine busy while the loop is parsing HTTP: under load the loop is the busier
@@ -82,6 +82,7 @@ class _Pending:
     enqueued: float
     future: asyncio.Future
     trace: RequestTrace | None = None  # the caller's, given its queue wait and its batch's time
+    admitted: float = 0.0  # its request's admission (monotonic seconds): its place in the queue
 
 
 @dataclass
@@ -279,7 +280,7 @@ class Batcher(Generic[Rows]):
         loop = self._start()
         now = time.monotonic()
         parts = self._split(rows, cost_cap=self._small_batch_cost() if admission.low else None)
-        pieces = [self._pending(part, admission.deadline, now, loop) for part in parts]
+        pieces = [self._pending(part, admission.deadline, now, loop, admission.admitted) for part in parts]
         with self._queue.lock:
             self._unreserve(admission)
             admission.submitted = True
@@ -289,7 +290,7 @@ class Batcher(Generic[Rows]):
                     self._queue.low.append(piece)
                     self._queue.low_cost += piece.cost
                 else:
-                    self._queue.pending.append(piece)
+                    self._enqueue(piece)
                     self._queue.queued_rows += piece.count
                     self._queue.queued_cost += piece.cost
                 self._speed.observe_request(piece.count, piece.cost)
@@ -297,6 +298,18 @@ class Batcher(Generic[Rows]):
                 self._speed.observe_preparation(now - admission.admitted)
             self._work.notify()
         return await _gathered(pieces)
+
+    def _enqueue(self, piece: _Pending) -> None:
+        """Into the normal queue in admission order, not arrival order: admission counted the work
+        admitted before a request as ahead of it and nothing admitted after, but a request admitted
+        later may be ready sooner (a shorter body, a smaller photo) and would otherwise run first,
+        so that the earlier one, whose estimate left that out, missed its deadline. Caller holds
+        the lock."""
+        pending = self._queue.pending
+        index = len(pending)
+        while index and pending[index - 1].admitted > piece.admitted:
+            index -= 1
+        pending.insert(index, piece)
 
     def _small_batch_cost(self) -> int | None:
         """The cost of about `BULK_BATCH_SECONDS` of engine time, once the engine's speed is known."""
@@ -315,14 +328,17 @@ class Batcher(Generic[Rows]):
             self._work.notify()
         return await _gathered(pieces)
 
-    def _pending(self, rows: Rows, deadline: float, now: float, loop: asyncio.AbstractEventLoop) -> _Pending:
+    def _pending(
+        self, rows: Rows, deadline: float, now: float, loop: asyncio.AbstractEventLoop, admitted: float | None = None
+    ) -> _Pending:
         if self._tokens:
             lengths = [len(row) for row in rows]
             longest, tokens = max(lengths), sum(lengths)
         else:
             longest = tokens = 0
         cost = self._cost(len(rows), longest, tokens)
-        return _Pending(rows, len(rows), cost, longest, tokens, deadline, now, loop.create_future(), current_trace())
+        trace, future = current_trace(), loop.create_future()
+        return _Pending(rows, len(rows), cost, longest, tokens, deadline, now, future, trace, admitted or now)
 
     def _split(self, rows: Rows, *, cost_cap: int | None = None) -> list[Rows]:
         """Consecutive parts that each fit one batch, and `cost_cap` if given (a single over-long

@@ -206,6 +206,30 @@ def test_the_time_requests_take_to_reach_the_queue_counts_in_what_is_admitted() 
     assert all(isinstance(o, np.ndarray | DeadlineUnmet) for o in outcomes)
 
 
+def test_requests_wait_in_the_order_they_were_admitted_not_the_order_they_were_ready() -> None:
+    """A request admitted first but slower to prepare (a bigger upload) still runs before those
+    admitted after it: admission counted it as ahead of them."""
+    model = RecordingModel(seconds_per_batch=0.05)
+    batcher = make_batcher(model, max_batch_size=1)
+
+    async def prepared(value: float, preparation_s: float) -> np.ndarray:
+        with batcher.admit(1) as admission:
+            await asyncio.sleep(preparation_s)
+            return await batcher.run(np.full((1, 1), value), admission)
+
+    async def scenario() -> None:
+        busy = asyncio.ensure_future(submit(batcher, np.zeros((1, 1))))  # the engine is running this
+        await asyncio.sleep(0.01)
+        slow = asyncio.ensure_future(prepared(1.0, 0.02))  # admitted first, ready second
+        await asyncio.sleep(0.001)
+        quick = asyncio.ensure_future(prepared(2.0, 0.0))
+        await asyncio.gather(busy, slow, quick)
+
+    asyncio.run(scenario())
+
+    assert [float(batch[0, 0]) for batch in model.contents] == [0.0, 1.0, 2.0]
+
+
 def test_a_preparation_time_measured_on_a_past_crowd_refuses_no_one_once_nothing_is_in_preparation() -> None:
     """Requests that took 250 ms to reach the queue (a crowd decoding at once) teach the batcher
     that; once none is in preparation, a lone request with a 100 ms deadline on the idle engine
