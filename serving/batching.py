@@ -11,8 +11,8 @@ served at full speed instead of waiting for a deadline it was never going to mak
 queue policy, TEI's bounded queue).
 
 The engine thread forms each batch itself the moment the previous one returns: the requests
-waiting, in the order they were admitted, up to `max_batch_size` rows and, for text, `max_batch_tokens` padded
-tokens. It never waits for a batch to fill: under load the queue fills while the engine runs,
+waiting, in the order they were admitted, up to `max_batch_size` rows and, for text,
+`max_batch_tokens` padded tokens. It never waits for a batch to fill: under load the queue fills while the engine runs,
 and a lone request runs at once. Forming batches on the engine thread rather than on the event
 loop keeps the engine busy while the loop is parsing HTTP: under load the loop is the busier
 of the two. Results go back to the loop in one hand-off per batch.
@@ -322,14 +322,14 @@ class Batcher(Generic[Rows]):
         loop = self._start()
         now = time.monotonic()
         parts = self._split(rows, cost_cap=self._small_batch_cost())
-        pieces = [self._pending(part, math.inf, now, loop) for part in parts]
+        pieces = [self._pending(part, math.inf, now, loop, now) for part in parts]
         with self._queue.lock:
             self._queue.bulk.extend(pieces)
             self._work.notify()
         return await _gathered(pieces)
 
     def _pending(
-        self, rows: Rows, deadline: float, now: float, loop: asyncio.AbstractEventLoop, admitted: float | None = None
+        self, rows: Rows, deadline: float, now: float, loop: asyncio.AbstractEventLoop, admitted: float
     ) -> _Pending:
         if self._tokens:
             lengths = [len(row) for row in rows]
@@ -337,8 +337,8 @@ class Batcher(Generic[Rows]):
         else:
             longest = tokens = 0
         cost = self._cost(len(rows), longest, tokens)
-        trace, future = current_trace(), loop.create_future()
-        return _Pending(rows, len(rows), cost, longest, tokens, deadline, now, future, trace, admitted or now)
+        future = loop.create_future()
+        return _Pending(rows, len(rows), cost, longest, tokens, deadline, now, future, current_trace(), admitted)
 
     def _split(self, rows: Rows, *, cost_cap: int | None = None) -> list[Rows]:
         """Consecutive parts that each fit one batch, and `cost_cap` if given (a single over-long
