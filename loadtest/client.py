@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import Mapping
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import httptools
+
+# An idle connection is reused only this long: uvicorn closes one idle for 5 s (its
+# timeout_keep_alive), and a request written as it does so is answered with a reset (seen under a
+# flood of clients waiting out a Retry-After), an error of the load tester's, not the server's.
+KEEPALIVE_S = 4.0
 
 
 class Response(NamedTuple):
@@ -138,21 +144,30 @@ class Pool:
     """Keep-alive connections to the origin of `url`, as many as requests in flight; the most
     recently used idle one goes first, so a lull lets the others time out, not the busy ones."""
 
-    def __init__(self, url: str, timeout: float) -> None:
-        self.url, self.timeout = url, timeout
-        self.idle: list[Connection] = []
+    def __init__(self, url: str, timeout: float, keepalive_s: float = KEEPALIVE_S) -> None:
+        self.url, self.timeout, self.keepalive_s = url, timeout, keepalive_s
+        self.idle: list[tuple[float, Connection]] = []  # (when it was last used, it), oldest first
 
     async def request(self, data: bytes) -> Response:
-        while self.idle and self.idle[-1].closed:
-            self.idle.pop()
-        connection = self.idle.pop() if self.idle else await connect(self.url, self.timeout)
+        connection = self._reusable() or await connect(self.url, self.timeout)
         response = await connection.request(data, self.timeout)
         if not connection.closed:
-            self.idle.append(connection)
+            self.idle.append((time.monotonic(), connection))
         return response
 
+    def _reusable(self) -> Connection | None:
+        """The most recently used idle connection that is open and not about to be closed by the
+        server (KEEPALIVE_S); the others, all older, are closed on the way."""
+        now = time.monotonic()
+        while self.idle:
+            used, connection = self.idle.pop()
+            if not connection.closed and now - used < self.keepalive_s:
+                return connection
+            connection.close()
+        return None
+
     def close(self) -> None:
-        for connection in self.idle:
+        for _, connection in self.idle:
             connection.close()
         self.idle.clear()
 

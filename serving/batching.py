@@ -6,14 +6,17 @@ batches, leaves time to answer it within its deadline; otherwise it is refused a
 or 429 when the queue is full) with Retry-After. The estimate also counts the time recent
 requests took from admission to the queue (reading the body, decoding, waiting for the event
 loop): the engine drains the queue meanwhile, so the later of the two counts, and under a flood,
-when the loop is the bottleneck, it is the preparation that decides. What is admitted is then
-served at full speed instead of waiting for a deadline it was never going to make (Triton's
-queue policy, TEI's bounded queue).
+when the loop is the bottleneck, it is the preparation that decides. The deadline runs from the
+request's arrival, and the answer counts as given when its callers resume on the loop after the
+batch (the way back, measured like the rest). What is admitted is then served at full speed
+instead of waiting for a deadline it was never going to make (Triton's queue policy, TEI's
+bounded queue).
 
 The engine thread forms each batch itself the moment the previous one returns: the requests
 waiting, in the order they were admitted, up to `max_batch_size` rows and, for text,
-`max_batch_tokens` padded tokens. It never waits for a batch to fill: under load the queue fills while the engine runs,
-and a lone request runs at once. Forming batches on the engine thread rather than on the event
+`max_batch_tokens` padded tokens, and no more than lets the batch's earliest deadline be met.
+It never waits for a batch to fill: under load the queue fills while the engine runs, and a
+lone request runs at once. Forming batches on the engine thread rather than on the event
 loop keeps the engine busy while the loop is parsing HTTP: under load the loop is the busier
 of the two. Results go back to the loop in one hand-off per batch.
 
@@ -83,6 +86,7 @@ class _Pending:
     future: asyncio.Future
     trace: RequestTrace | None = None  # the caller's, given its queue wait and its batch's time
     admitted: float = 0.0  # its request's admission (monotonic seconds): its place in the queue
+    finished: float = 0.0  # when its batch returned from the engine
 
 
 @dataclass
@@ -104,6 +108,7 @@ class _Speed:
     seconds_per_cost: float | None = None
     cost_per_row: float | None = None
     preparation_seconds: float | None = None  # from admission to the queue
+    return_seconds: float = 0.0  # from a batch's end to its callers resuming on the event loop
 
     def observe_batch(self, seconds: float, cost: int) -> None:
         self.seconds_per_cost = _smooth(self.seconds_per_cost, seconds / cost)
@@ -113,6 +118,9 @@ class _Speed:
 
     def observe_preparation(self, seconds: float) -> None:
         self.preparation_seconds = _smooth(self.preparation_seconds, seconds)
+
+    def observe_return(self, seconds: float) -> None:
+        self.return_seconds = _smooth(self.return_seconds, seconds)
 
 
 def _smooth(current: float | None, sample: float) -> float:
@@ -205,6 +213,7 @@ class Batcher(Generic[Rows]):
             message = f"the {self._metrics.endpoint} queue holds {waiting} rows, its limit is {limit}"
             return QueueFull(message, retry_after_s=self._drain_seconds(now)), now
         budget_ms = self._budget_ms(timeout_ms)
+        budget_left = budget_ms / 1000 - _spent_seconds(now)
         per_cost = self._speed.seconds_per_cost or 0.0
         # Reserved work reaches the queue about when this request does, queued work meanwhile drains.
         # The preparation time counts while others are being prepared: it was measured on admitted
@@ -212,9 +221,9 @@ class Batcher(Generic[Rows]):
         # otherwise refuse everything it no longer gets to measure.
         preparing = (self._speed.preparation_seconds or 0.0) if queue.reserved_rows else 0.0
         ahead = max(preparing, self._queued_seconds(now)) + queue.reserved_cost * per_cost
-        late = ahead + own_cost * per_cost - budget_ms / 1000
+        late = ahead + own_cost * per_cost + self._returning() - budget_left
         if late <= 0:
-            return None, now + budget_ms / 1000
+            return None, now + budget_left
         if self._drain_seconds(now) == 0 and timeout_ms is None:
             # Too big for the server's deadline on an idle engine: refusing would not make room for
             # anyone, so it runs, as soon as it can, with no deadline to expire.
@@ -232,11 +241,24 @@ class Batcher(Generic[Rows]):
             message = f"low priority: {waiting} rows of normal requests wait for the {self._metrics.endpoint} model"
             return Shed(message, retry_after_s=max(1.0, self._drain_seconds(now))), now
         budget_ms = self._budget_ms(timeout_ms)
+        budget_left = budget_ms / 1000 - _spent_seconds(now)
         per_cost = self._speed.seconds_per_cost or 0.0
-        late = self._queued_seconds(now) + (queue.low_cost + own_cost) * per_cost - budget_ms / 1000
+        work = self._queued_seconds(now) + (queue.low_cost + own_cost) * per_cost + self._returning()
+        late = work - budget_left
         if late <= 0:
-            return None, now + budget_ms / 1000
+            return None, now + budget_left
         return self._unmet(budget_ms, late, "this low-priority request "), now
+
+    def _returning(self, *, taking: bool = False) -> float:
+        """The way back an answer given now would take: what it took lately while the loop had
+        other requests to serve, none when it has none (as with the preparation above, a figure
+        from a crowd that has gone would refuse the short deadlines that could measure it again).
+        `taking`: asked by the engine thread about the request at the queue's head, not counted as
+        another. Caller holds the lock."""
+        queue = self._queue
+        waiting = len(queue.pending) + len(queue.low) - taking
+        busy = queue.reserved_rows or queue.running_cost or waiting > 0
+        return self._speed.return_seconds if busy else 0.0
 
     def _budget_ms(self, timeout_ms: float | None) -> float:
         """The server's deadline, shortened by the client's."""
@@ -245,7 +267,7 @@ class Batcher(Generic[Rows]):
     def _unmet(self, budget_ms: float, late: float, what: str = "") -> DeadlineUnmet:
         message = (
             f"the {self._metrics.endpoint} model cannot answer {what}within {budget_ms:.0f} ms: "
-            f"about {budget_ms + 1000 * late:.0f} ms of work would be ahead of its answer"
+            f"its answer would take about {budget_ms + 1000 * late:.0f} ms from its arrival"
         )
         return DeadlineUnmet(message, retry_after_s=late)
 
@@ -297,7 +319,10 @@ class Batcher(Generic[Rows]):
             if not admission.low:
                 self._speed.observe_preparation(now - admission.admitted)
             self._work.notify()
-        return await _gathered(pieces)
+        outputs = await _gathered(pieces)
+        with self._queue.lock:
+            self._speed.observe_return(time.monotonic() - max(piece.finished for piece in pieces))
+        return outputs
 
     def _enqueue(self, piece: _Pending) -> None:
         """Into the normal queue in admission order, not arrival order: admission counted the work
@@ -446,7 +471,7 @@ class Batcher(Generic[Rows]):
             queue.low_cost -= piece.cost
             if piece.future.cancelled():
                 continue
-            if now + piece.cost * per_cost > piece.deadline:
+            if now + piece.cost * per_cost + self._returning() > piece.deadline:
                 expired.append(piece)
                 continue
             queue.running_cost, queue.running_since = piece.cost, now
@@ -462,19 +487,29 @@ class Batcher(Generic[Rows]):
         return [piece]
 
     def _take_batch(self, now: float) -> tuple[list[_Pending], list[_Pending]]:
-        """The waiting requests, oldest first, up to the caps; drops the cancelled and the hopeless.
-        Caller holds the lock."""
+        """The waiting requests, oldest first, up to the caps and no further than the earliest
+        deadline among them allows: a request is answered when its whole batch is, so a batch grown
+        past that deadline would answer that request late, however soon its own rows ran. Drops the
+        cancelled, and the hopeless, which would be late even alone. Caller holds the lock."""
         queue = self._queue
         batch: list[_Pending] = []
         expired: list[_Pending] = []
         rows = cost = longest = total = 0
+        earliest = math.inf
         per_cost = self._speed.seconds_per_cost or 0.0
+        returning = self._returning(taking=True)
+
+        def answered(batch_cost: int) -> float:
+            return now + batch_cost * per_cost + returning
+
         while queue.pending:
             piece = queue.pending[0]
-            hopeless = piece.future.cancelled() or now + piece.cost * per_cost > piece.deadline
+            hopeless = piece.future.cancelled() or answered(piece.cost) > piece.deadline
             grown_longest, grown_total = max(longest, piece.longest), total + piece.tokens
-            if not hopeless and batch and not self._fits(rows + piece.count, grown_longest, grown_total):
-                break
+            if not hopeless and batch:
+                fits = self._fits(rows + piece.count, grown_longest, grown_total)
+                if not fits or answered(cost + piece.cost) > min(earliest, piece.deadline):
+                    break
             queue.pending.popleft()
             queue.queued_rows -= piece.count
             queue.queued_cost -= piece.cost
@@ -483,6 +518,7 @@ class Batcher(Generic[Rows]):
                     expired.append(piece)
                 continue
             batch.append(piece)
+            earliest = min(earliest, piece.deadline)
             rows, cost, longest, total = rows + piece.count, cost + piece.cost, grown_longest, grown_total
         queue.running_cost, queue.running_since = cost, now
         return batch, expired
@@ -496,7 +532,9 @@ class Batcher(Generic[Rows]):
             error = InferenceFailed(f"the {self._metrics.endpoint} engine failed on a batch of {rows} rows")
             error.__cause__ = exc
         elapsed = time.perf_counter() - started
+        finished = time.monotonic()
         for piece in batch:
+            piece.finished = finished
             if piece.trace is not None:
                 piece.trace.add("infer", elapsed)
         cost = sum(piece.cost for piece in batch)
@@ -507,6 +545,14 @@ class Batcher(Generic[Rows]):
         if error is None:
             self._metrics.observe_batch(seconds=elapsed, rows=rows)
         return outputs, error
+
+
+def _spent_seconds(now: float) -> float:
+    """How long the current request has been in the server: its deadline counts from its arrival
+    (serving/tracing.py's first middleware), not from its admission, which under load comes after
+    the event loop has read its headers and body."""
+    trace = current_trace()
+    return 0.0 if trace is None else max(0.0, now - trace.arrived)
 
 
 async def _gathered(pieces: list[_Pending]) -> np.ndarray:

@@ -13,6 +13,7 @@ from serving.batching import Batcher, BatchLimits
 from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull, Shed
 from serving.metrics import ModelMetrics
 from serving.text import padded_tokens
+from serving.tracing import CURRENT_TRACE, RequestTrace
 
 
 class RecordingModel:
@@ -228,6 +229,89 @@ def test_requests_wait_in_the_order_they_were_admitted_not_the_order_they_were_r
     asyncio.run(scenario())
 
     assert [float(batch[0, 0]) for batch in model.contents] == [0.0, 1.0, 2.0]
+
+
+def test_a_batch_grows_no_further_than_its_earliest_deadline_allows() -> None:
+    """10 ms a row. Behind a 40 ms batch, a request with 70 ms left and six without a hurry: the
+    hurried one's batch stops at about three rows, where it is still answered in time, instead
+    of taking all seven (70 ms), which would answer it 35 ms late; the rest run next."""
+    model = RecordingModel(seconds_per_batch=0, seconds_per_row=0.01)
+    batcher = make_batcher(model, endpoint="earliest", max_batch_size=8)
+
+    async def scenario() -> tuple[object, float]:
+        await submit(batcher, np.ones((8, 1)))  # the batcher learns: 10 ms a row
+        busy = asyncio.ensure_future(submit(batcher, np.ones((4, 1))))
+        await asyncio.sleep(0.005)
+        started = time.perf_counter()
+        hurried = asyncio.ensure_future(submit(batcher, np.full((1, 1), 2.0), timeout_ms=70))
+        await asyncio.sleep(0)
+        others = asyncio.ensure_future(together(batcher, [np.full((1, 1), 3.0)] * 6))
+        await asyncio.sleep(0.001)
+        outcome = (await asyncio.gather(hurried, return_exceptions=True))[0]
+        answered_after = time.perf_counter() - started
+        await asyncio.gather(busy, others)
+        return outcome, answered_after
+
+    outcome, answered_after = asyncio.run(scenario())
+
+    np.testing.assert_array_equal(outcome, np.full((1, 1), 4.0))
+    hurried_batch = next(batch for batch in model.contents if 2.0 in batch)
+    assert len(hurried_batch) <= 4, model.batches
+    assert model.batches[0:2] == [8, 4] and sum(model.batches[2:]) == 7, model.batches
+    assert answered_after < 0.07 + 0.03, "the hurried request was answered past its deadline by more than a row's noise"
+
+
+def test_the_time_a_request_spent_before_admission_counts_against_its_deadline() -> None:
+    """A request that arrived 150 ms before it reached admission (the event loop read its headers
+    and body behind others) has 50 ms of a 200 ms deadline left: 80 ms of rows are refused, which
+    a request just arrived would get."""
+    batcher = make_batcher(RecordingModel(0, seconds_per_row=0.01), endpoint="arrived")
+
+    async def arrived_ago(seconds: float) -> object:
+        token = CURRENT_TRACE.set(RequestTrace("r", arrived=time.monotonic() - seconds))
+        try:
+            return (await together(batcher, [np.ones((8, 1))], timeout_ms=200))[0]
+        finally:
+            CURRENT_TRACE.reset(token)
+
+    async def scenario() -> tuple[object, object]:
+        await submit(batcher, np.ones((8, 1)))  # the batcher learns: 10 ms a row
+        return await arrived_ago(0.0), await arrived_ago(0.15)
+
+    fresh, delayed = asyncio.run(scenario())
+
+    assert isinstance(fresh, np.ndarray)
+    assert isinstance(delayed, DeadlineUnmet) and "from its arrival" in str(delayed)
+
+
+def test_the_time_answers_take_back_through_a_busy_event_loop_counts_in_what_is_admitted() -> None:
+    """A loop that is busy 100 ms at a time hands each batch's answer back about 50 ms after its
+    10 ms batch ends; once measured, a request with 40 ms to spare is refused while another is in
+    preparation, instead of being answered late, and admitted once the loop has nothing else."""
+    batcher = make_batcher(RecordingModel(seconds_per_batch=0.01), endpoint="way-back")
+
+    async def busy_loop(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            time.sleep(0.1)  # the loop parsing a crowd's requests, in one piece
+            await asyncio.sleep(0.001)
+
+    async def scenario() -> tuple[object, object]:
+        await submit(batcher, np.ones((1, 1)))  # the batcher learns the engine's speed on an idle loop
+        stop = asyncio.Event()
+        blocking = asyncio.ensure_future(busy_loop(stop))
+        for _ in range(10):
+            await submit(batcher, np.ones((1, 1)))
+        with batcher.admit(1):  # another request, being read
+            (crowded,) = await together(batcher, [np.ones((1, 1))], timeout_ms=40)
+        stop.set()
+        await blocking
+        (alone,) = await together(batcher, [np.ones((1, 1))], timeout_ms=40)
+        return crowded, alone
+
+    crowded, alone = asyncio.run(scenario())
+
+    assert isinstance(crowded, DeadlineUnmet)
+    np.testing.assert_array_equal(alone, np.ones((1, 1)) * 2)
 
 
 def test_a_preparation_time_measured_on_a_past_crowd_refuses_no_one_once_nothing_is_in_preparation() -> None:

@@ -148,6 +148,19 @@ def test_pool_reuses_connections_and_replaces_closed_or_timed_out_ones(tiny_serv
     assert uvloop.run(fetch(f"{tiny_server.url}/metrics", timeout=5))[:2] == (200, b"# GET /metrics\n")
 
 
+def test_pool_opens_a_new_connection_rather_than_reuse_one_idle_near_the_servers_keepalive(tiny_server) -> None:
+    async def exchange() -> list[int]:
+        pool = Pool(f"{tiny_server.url}/pool", timeout=5, keepalive_s=0.2)
+        statuses = [(await pool.request(request_bytes(tiny_server.url))).status for _ in range(2)]
+        await asyncio.sleep(0.3)
+        statuses.append((await pool.request(request_bytes(tiny_server.url))).status)
+        pool.close()
+        return statuses
+
+    assert uvloop.run(exchange()) == [200] * 3
+    assert len(tiny_server.connections) == 2, "reused while fresh, replaced once idle past keepalive_s"
+
+
 def test_requests_carry_the_headers_asked_for_on_every_replay() -> None:
     (request,) = post_requests("http://h:1/embed", [directives()], {"X-Deadline-Ms": "50"})
     head, _, body = request.data.partition(b"\r\n\r\n")

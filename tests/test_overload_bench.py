@@ -23,21 +23,35 @@ def test_flood_figures_count_goodput_per_second_and_refusals_apart_from_accepted
     probed = [Outcome(finished=stopped + 0.1, latency=0.5, status="200")]
     probed += [Outcome(finished=stopped + 0.6 + i / 100, latency=0.004, status="200") for i in range(40)]
 
-    flood = summarize_flood(flooded, probed, started, stopped, concurrency=32, bound_ms=6.0, rss=STEADY)
+    flood = summarize_flood(
+        flooded, probed, started, stopped, concurrency=32, bound_ms=6.0, deadline_ms=200.0, rss=STEADY
+    )
 
-    assert flood.goodput == 5.0
+    assert flood.goodput == 5.0 and flood.on_time == 5.0
     assert flood.statuses == {"200": 50, "429": 1, "503": 99}
     assert flood.accepted_p99_ms == 200.0 and flood.refused_p99_ms == 2.0
     assert flood.recovery_p99_ms[0] == 500.0 and flood.recovered_after_s == BUCKET_S
 
 
+def test_answers_later_than_the_deadline_count_as_goodput_but_not_as_on_time() -> None:
+    flooded = [Outcome(finished=0.5, latency=0.15, status="200") for _ in range(30)]
+    flooded += [Outcome(finished=0.9, latency=0.25, status="200") for _ in range(10)]
+
+    flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0, deadline_ms=200.0, rss=STEADY)
+
+    assert flood.goodput == 40.0 and flood.on_time == 30.0
+    met = verdicts(knee_throughput=40.0, unloaded_p99_ms=5.0, slo_ms=200.0, flood=flood)
+    assert met["goodput_vs_knee"]["met"] and not met["on_time_vs_knee"]["met"], "30 on time of a knee of 40"
+
+
 def test_targets_follow_the_issue() -> None:
     flooded = [Outcome(finished=1.0, latency=0.1, status="200") for _ in range(95)]
-    flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0, rss=STEADY)
+    flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0, deadline_ms=1000.0, rss=STEADY)
 
     met = verdicts(knee_throughput=100.0, unloaded_p99_ms=5.0, slo_ms=1000.0, flood=flood)
 
-    assert met["goodput_vs_knee"]["met"] and met["refusals_p99_ms"]["met"] and met["accepted_p99_vs_slo_ms"]["met"]
+    assert met["goodput_vs_knee"]["met"] and met["on_time_vs_knee"]["met"]
+    assert met["refusals_p99_ms"]["met"] and met["accepted_p99_vs_slo_ms"]["met"]
     assert not verdicts(knee_throughput=120.0, unloaded_p99_ms=5.0, slo_ms=1000.0, flood=flood)["goodput_vs_knee"][
         "met"
     ]
@@ -51,6 +65,6 @@ def test_a_flood_may_raise_memory_while_it_lasts_but_not_leave_it_raised() -> No
 
 def test_any_status_but_200_429_and_503_misses_the_target() -> None:
     flooded = [Outcome(finished=1.0, latency=0.1, status=status) for status in ("200", "503", "500")]
-    flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0, rss=STEADY)
+    flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0, deadline_ms=1000.0, rss=STEADY)
 
     assert not verdicts(knee_throughput=1.0, unloaded_p99_ms=5.0, slo_ms=1000.0, flood=flood)["only_200_429_503"]["met"]
