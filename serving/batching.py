@@ -213,7 +213,7 @@ class Batcher(Generic[Rows]):
             message = f"the {self._metrics.endpoint} queue holds {waiting} rows, its limit is {limit}"
             return QueueFull(message, retry_after_s=self._drain_seconds(now)), now
         budget_ms = self._budget_ms(timeout_ms)
-        budget_left = budget_ms / 1000 - _spent_seconds(now)
+        budget_left = budget_ms / 1000 - _spent_seconds()
         per_cost = self._speed.seconds_per_cost or 0.0
         # Reserved work reaches the queue about when this request does, queued work meanwhile drains.
         # The preparation time counts while others are being prepared: it was measured on admitted
@@ -241,7 +241,7 @@ class Batcher(Generic[Rows]):
             message = f"low priority: {waiting} rows of normal requests wait for the {self._metrics.endpoint} model"
             return Shed(message, retry_after_s=max(1.0, self._drain_seconds(now))), now
         budget_ms = self._budget_ms(timeout_ms)
-        budget_left = budget_ms / 1000 - _spent_seconds(now)
+        budget_left = budget_ms / 1000 - _spent_seconds()
         per_cost = self._speed.seconds_per_cost or 0.0
         work = self._queued_seconds(now) + (queue.low_cost + own_cost) * per_cost + self._returning()
         late = work - budget_left
@@ -547,12 +547,12 @@ class Batcher(Generic[Rows]):
         return outputs, error
 
 
-def _spent_seconds(now: float) -> float:
+def _spent_seconds() -> float:
     """How long the current request has been in the server: its deadline counts from its arrival
     (serving/tracing.py's first middleware), not from its admission, which under load comes after
     the event loop has read its headers and body."""
     trace = current_trace()
-    return 0.0 if trace is None else max(0.0, now - trace.arrived)
+    return 0.0 if trace is None else time.perf_counter() - trace.started
 
 
 async def _gathered(pieces: list[_Pending]) -> np.ndarray:

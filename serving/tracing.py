@@ -61,8 +61,7 @@ ACCESS_LOGGER = "optiserve.access"
 @dataclass
 class RequestTrace:
     request_id: str
-    started: float = field(default_factory=time.perf_counter)
-    arrived: float = field(default_factory=time.monotonic)  # the clock a deadline runs on (serving/batching.py)
+    started: float = field(default_factory=time.perf_counter)  # its arrival: deadlines count from it too
     seconds: dict[str, float] = field(default_factory=dict)  # step → seconds, in the order first seen
 
     def add(self, step: str, seconds: float) -> None:

@@ -268,7 +268,7 @@ def test_the_time_a_request_spent_before_admission_counts_against_its_deadline()
     batcher = make_batcher(RecordingModel(0, seconds_per_row=0.01), endpoint="arrived")
 
     async def arrived_ago(seconds: float) -> object:
-        token = CURRENT_TRACE.set(RequestTrace("r", arrived=time.monotonic() - seconds))
+        token = CURRENT_TRACE.set(RequestTrace("r", started=time.perf_counter() - seconds))
         try:
             return (await together(batcher, [np.ones((8, 1))], timeout_ms=200))[0]
         finally:
