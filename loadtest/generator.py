@@ -106,19 +106,16 @@ async def open_loop(
     """Poisson arrivals at `rate`/s regardless of answers; latency counts from the scheduled
     arrival, so a late client or a slow server cannot hide queueing (no coordinated omission).
     Arrivals beyond `max_outstanding` in flight are recorded as 'client_backlog' failures.
-    Each arrival is a timer on the loop: no task per wait, nothing left to wake after `stop`."""
+    The next arrival is one timer on the loop: no task per wait, nothing left to wake after `stop`.
+    A late loop (a stall, a busy host) sends every arrival already due at once, and arrivals due by
+    the time the generator sees `stop` are sent too, so a stall never shortens the load."""
     loop = asyncio.get_running_loop()
     draw = random.Random(seed).expovariate
     order = itertools.cycle(requests)
     in_flight: set[asyncio.Task[None]] = set()
+    next_arrival = time.perf_counter() + draw(rate)
 
-    def schedule(previous: float) -> asyncio.TimerHandle:
-        arrival = previous + draw(rate)
-        return loop.call_later(max(0.0, arrival - time.perf_counter()), arrive, arrival)
-
-    def arrive(arrival: float) -> None:
-        nonlocal timer
-        timer = schedule(arrival)
+    def dispatch(arrival: float) -> None:
         if len(in_flight) >= max_outstanding:
             now = time.perf_counter()
             recorder.add(Outcome(finished=now, latency=now - arrival, status="client_backlog"))
@@ -127,7 +124,21 @@ async def open_loop(
         in_flight.add(task)
         task.add_done_callback(in_flight.discard)
 
-    timer = schedule(time.perf_counter())
+    def send_due() -> float:
+        """Dispatch every arrival due by now; the seconds until the next one."""
+        nonlocal next_arrival
+        now = time.perf_counter()
+        while next_arrival <= now:
+            dispatch(next_arrival)
+            next_arrival += draw(rate)
+        return next_arrival - now
+
+    def tick() -> None:
+        nonlocal timer
+        timer = loop.call_later(send_due(), tick)
+
+    timer = loop.call_later(send_due(), tick)
     await stop.wait()
     timer.cancel()
+    send_due()
     await asyncio.gather(*in_flight)  # cancelled, it cancels them too

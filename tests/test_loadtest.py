@@ -206,41 +206,60 @@ def test_failures_are_counted_by_name() -> None:
 
 
 def open_loop_run(
-    url: str, *, rate: float, seconds: float, max_outstanding: int = 100, sleep: float = 0, stall_at: float = 0
-) -> Recorder:
+    url: str,
+    *,
+    rate: float,
+    seconds: float,
+    max_outstanding: int = 100,
+    sleep: float = 0,
+    stall_at: float = 0,
+    stall_s: float = 0.3,
+) -> tuple[Recorder, float]:
     """`seconds` of Poisson arrivals, each answered after `sleep`; with `stall_at`, the client
-    blocks its own loop for 0.3 s at that time."""
+    blocks its own loop for `stall_s` at that time. Returns the outcomes and how long the load ran
+    (a busy host can stretch the stall and, with it, the run)."""
     requests = post_requests(url, [directives(sleep=sleep)])
 
-    async def load() -> Recorder:
+    async def load() -> tuple[Recorder, float]:
         pool, recorder, stop = Pool(url, timeout=5), Recorder(), asyncio.Event()
+        started = time.perf_counter()
         task = asyncio.create_task(
             open_loop(pool, requests, rate=rate, stop=stop, recorder=recorder, max_outstanding=max_outstanding)
         )
         if stall_at:
             await asyncio.sleep(stall_at)
-            time.sleep(0.3)  # a late client: every arrival due meanwhile goes out late
-        await asyncio.sleep(seconds - stall_at)
+            time.sleep(stall_s)  # a late client: every arrival due meanwhile goes out late
+        await asyncio.sleep(max(0.0, started + seconds - time.perf_counter()))
         stop.set()
+        ran = time.perf_counter() - started
         await task
         pool.close()
-        return recorder
+        return recorder, ran
 
     return uvloop.run(load())
 
 
 def test_open_loop_latency_counts_from_the_scheduled_arrival(tiny_server) -> None:
-    outcomes = open_loop_run(f"{tiny_server.url}/open", rate=200, seconds=1.5, stall_at=0.5).outcomes
+    recorder, ran = open_loop_run(f"{tiny_server.url}/open", rate=200, seconds=1.5, stall_at=0.5)
+    outcomes = recorder.outcomes
     assert all(o.ok for o in outcomes)
-    assert 240 <= len(outcomes) <= 360, "about 1.5 s × 200/s: the arrivals due in the stall are sent, not skipped"
+    expected = 200 * ran  # about 300; Poisson's spread is about ±17
+    assert 0.8 * expected <= len(outcomes) <= 1.2 * expected, "the arrivals due in the stall are sent, not skipped"
     latencies = sorted(o.latency for o in outcomes)
     assert latencies[len(latencies) // 2] < 0.05
     assert latencies[-1] >= 0.25, "an arrival at the start of the stall waited for all of it"
     assert sum(latency > 0.1 for latency in latencies) >= 20  # about 200/s × 0.2 s
 
 
+def test_open_loop_sends_the_arrivals_due_in_a_stall_that_outlasts_the_load(tiny_server) -> None:
+    recorder, ran = open_loop_run(f"{tiny_server.url}/open", rate=200, seconds=0.6, stall_at=0.2, stall_s=0.6)
+    assert ran >= 0.8
+    assert len(recorder.outcomes) >= 0.8 * 200 * ran, "arrivals due before the stop are sent, however late"
+    assert sum(o.latency >= 0.3 for o in recorder.outcomes) >= 40
+
+
 def test_open_loop_counts_arrivals_beyond_the_outstanding_cap(tiny_server) -> None:
-    outcomes = open_loop_run(f"{tiny_server.url}/slow", rate=100, seconds=0.4, max_outstanding=5, sleep=0.5).outcomes
+    outcomes = open_loop_run(f"{tiny_server.url}/slow", rate=100, seconds=0.4, max_outstanding=5, sleep=0.5)[0].outcomes
     statuses = [o.status for o in outcomes]
     assert statuses.count("200") == 5 and statuses.count("client_backlog") >= 20
     assert len(tiny_server.requests) == 5
