@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from loadtest.sweep import CONCURRENCY_LEVELS
+
 REPO = Path(__file__).resolve().parent.parent
 BUCKET_S = 0.5
 RECOVERED_WITHIN = 1.5  # × the unloaded p99
@@ -46,7 +48,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n\n")[0])
     parser.add_argument("--manifest", type=Path, help="serve this manifest's models (default: build both recipes)")
     parser.add_argument("--models", default="image,text", help="which of image,text to flood")
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="sweep levels that find the knee")
+    parser.add_argument(
+        "--concurrency",
+        default=",".join(f"{level:g}" for level in CONCURRENCY_LEVELS),
+        help="sweep levels that find the knee",
+    )
     parser.add_argument("--factor", type=float, default=4.0, help="flood concurrency = factor × the knee's")
     parser.add_argument("--flood-concurrency", type=int, help="a fixed flood concurrency instead (e.g. 256)")
     parser.add_argument("--flood-s", type=float, default=60.0)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.wrk import run_wrk, wrk_installed
+from loadtest.sweep import CONCURRENCY_LEVELS
 
 if TYPE_CHECKING:
     from loadtest.inputs import Payload
@@ -60,7 +61,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="in-process,service",
         help="optiserve model placements to measure; the first is the one held to the targets",
     )
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop levels for both servers")
+    parser.add_argument(
+        "--concurrency",
+        default=",".join(f"{level:g}" for level in CONCURRENCY_LEVELS),
+        help="closed-loop levels for both servers",
+    )
     parser.add_argument("--slo-ms", type=float, default=500.0, help="p99 objective that defines the knee")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--window", type=float, default=3.0)

@@ -29,7 +29,7 @@ from loadtest.inputs import (
 )
 from loadtest.report import print_report, write_json, write_plots
 from loadtest.stats import Summary
-from loadtest.sweep import SweepSettings, sweep
+from loadtest.sweep import CONCURRENCY_LEVELS, SweepSettings, sweep
 
 DEFAULT_URL = "http://127.0.0.1:3000/classify"
 
@@ -56,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     load = parser.add_argument_group("load")
     load.add_argument("--mode", choices=("concurrency", "rate"), default="concurrency")
-    load.add_argument("--concurrency", type=numbers, default=(1, 2, 4, 8, 16, 32), help="levels, e.g. 1,2,4,8")
+    load.add_argument("--concurrency", type=numbers, default=CONCURRENCY_LEVELS, help="levels, e.g. 1,2,4,8")
     load.add_argument("--rates", type=numbers, default=(2, 5, 10, 20, 40), help="Poisson arrival rates per second")
     load.add_argument("--all-levels", action="store_true", help="keep going past the first level over the SLO")
     measure = parser.add_argument_group("measurement")
