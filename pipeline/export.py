@@ -47,9 +47,15 @@ class SentenceEmbeddingGraph(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(
+        return self.pool(self.token_states(input_ids, attention_mask), attention_mask)
+
+    def token_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=torch.zeros_like(input_ids)
         ).last_hidden_state
+
+    @staticmethod
+    def pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, p=2, dim=-1)

@@ -89,7 +89,7 @@ class TextEmbedding(PipelineTask):
         return float(row_cosines(reference, candidate).mean())
 
     def distill(self, teacher: torch.nn.Module, training: Split, feeds: Feeds, settings: Student) -> torch.nn.Module:
-        """An evenly spread subset of the teacher's layers, trained on its embeddings (MSE)."""
+        """An evenly spread subset of the teacher's layers, trained on its embeddings and token states."""
         student = SentenceEmbeddingGraph(layer_subset_student(teacher.model, settings.layers))
         rows = sorted(training.rows, key=len)  # length buckets: little padding, much faster
         batches = [feeds(rows[i : i + DISTILLATION_BATCH]) for i in range(0, len(rows), DISTILLATION_BATCH)]
