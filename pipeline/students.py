@@ -10,14 +10,12 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from pipeline.export import SentenceEmbeddingGraph
+from pipeline.export import SentenceEmbeddingGraph
 
 logger = logging.getLogger(__name__)
 
@@ -226,21 +224,17 @@ def distill_embeddings(
             feeds, target = tensors[index], targets[index]
             mask = feeds["attention_mask"]
             hidden = student_graph.token_states(feeds["input_ids"], mask)
-            loss = _embedding_loss(hidden, target, mask, student_graph.pool)
+            loss = _embedding_loss(hidden, target, mask)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             schedule.step()
-    return student_graph.eval()
+    return student_graph
 
 
-def _embedding_loss(
-    hidden: torch.Tensor,
-    target: torch.Tensor,
-    mask: torch.Tensor,
-    pool: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
+def _embedding_loss(hidden: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """1 − cosine of the pooled embeddings, plus the mean squared error per real token and dimension."""
+    pool = SentenceEmbeddingGraph.pool
     cosine = (pool(hidden, mask) * pool(target, mask)).sum(-1)
     weights = mask.unsqueeze(-1).to(hidden.dtype)
     token_error = ((hidden - target) ** 2 * weights).sum() / weights.sum() / hidden.shape[-1]
