@@ -4,7 +4,7 @@ serving path.
 Photos are split by name (calibration never sees an evaluation photo); each is expanded into
 many seeded random views, enough for the gate to see a 1 % budget: the held-out slice takes
 random crops, scales, flips, colour changes and JPEG re-compression of the evaluation photos
-(512 inputs), the perturbed slice shifts, rotates, blurs and adds noise to them (512 more).
+(at least 512 inputs), the perturbed slice shifts, rotates, blurs and adds noise to them (as many).
 Texts are split by position in the `pydoc_data` corpus: every eighth sentence for evaluation,
 another eighth for calibration, a third eighth for profiling (real sentence lengths, unless the
 recipe names a file of real requests), the rest for distillation. Digits use a fixed stratified
@@ -28,7 +28,9 @@ from serving.images import decode_image
 from serving.model_spec import ImageInput
 
 CALIBRATION_PHOTOS = ("astronaut", "camera", "china")
-VIEWS_PER_PHOTO = {"calibration": 32, "held-out": 128, "perturbed": 128}
+# Views per slice: at least this many, spread evenly over the slice's photos. More photos with
+# fewer views each is the better evidence: the views of one scene stand or fall together.
+VIEWS_PER_SLICE = {"calibration": 96, "held-out": 512, "perturbed": 512}
 PhotoSlice = Literal["calibration", "held-out", "perturbed"]
 PERTURBED_DIGIT_COPIES = 4  # 1 800 moved digits: a 1-point budget needs that many to be shown
 
@@ -86,14 +88,16 @@ def perturbed_view(image: Image.Image, rng: np.random.Generator) -> bytes:
 
 def photo_split(spec: ImageInput, part: PhotoSlice) -> Split:
     """Seeded random views of the part's photos, decoded and resized through the request path."""
-    rng = np.random.default_rng(list(VIEWS_PER_PHOTO).index(part))
+    rng = np.random.default_rng(list(VIEWS_PER_SLICE).index(part))
     view = perturbed_view if part == "perturbed" else random_view
+    photos = {
+        name: data for name, data in sample_photos().items() if (name in CALIBRATION_PHOTOS) == (part == "calibration")
+    }
+    views_per_photo = -(-VIEWS_PER_SLICE[part] // len(photos))
     prepared = []
-    for name, data in sample_photos().items():
-        if (name in CALIBRATION_PHOTOS) != (part == "calibration"):
-            continue
+    for name, data in photos.items():
         image = decode_image(data)
-        for index in range(VIEWS_PER_PHOTO[part]):
+        for index in range(views_per_photo):
             prepared.append(prepare_sized_image(ImageUpload(view(image, rng), None, f"{name}:{index}"), spec))
     return Split([pixels for pixels, _ in prepared], sizes=[size for _, size in prepared])
 

@@ -1,5 +1,5 @@
-"""Real inputs that every machine has: photos shipped by scikit-image and scikit-learn, and
-English text from Python's own documentation.
+"""Real inputs that every machine has: photos shipped by scikit-image, scikit-learn and
+matplotlib, and English text from Python's own documentation.
 
 The pipeline evaluates on them, the load tester and the benchmarks send them, the tests use them:
 a leaf that imports nothing of the project and only numpy and Pillow at import time (the
@@ -19,7 +19,9 @@ SKIMAGE_PHOTOS = ("chelsea", "coffee", "astronaut", "rocket", "camera")
 
 @cache
 def sample_photos() -> dict[str, bytes]:
-    """Photo name → encoded file bytes (JPEG and PNG), as a client would upload them."""
+    """Photo name → encoded file bytes (JPEG and PNG), as a client would upload them: every photo
+    of a scene those packages ship, so that the pipeline's held-out slice has as many scenes as
+    this machine has (the views of one photo agree or disagree together)."""
     from skimage import data
     from sklearn.datasets import load_sample_images
 
@@ -27,7 +29,20 @@ def sample_photos() -> dict[str, bytes]:
     sklearn_images = load_sample_images()
     for filename, array in zip(sklearn_images.filenames, sklearn_images.images, strict=True):
         arrays[filename.rsplit("/", 1)[-1].removesuffix(".jpg")] = array
+    arrays["motorcycle"] = data.stereo_motorcycle()[0]  # the left view of the stereo pair
+    arrays["grace_hopper"] = np.asarray(Image.open(_matplotlib_sample("grace_hopper.jpg")))
     return {name: encode(array, "PNG" if i % 2 else "JPEG") for i, (name, array) in enumerate(arrays.items())}
+
+
+def _matplotlib_sample(filename: str) -> str:
+    """A file of matplotlib's sample data, found without importing matplotlib (a second or so)."""
+    import importlib.util
+    import os.path
+
+    spec = importlib.util.find_spec("matplotlib")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("matplotlib (the pipeline extra) ships the sample photo " + filename)
+    return os.path.join(spec.submodule_search_locations[0], "mpl-data", "sample_data", filename)
 
 
 def encode(array: np.ndarray, image_format: str) -> bytes:

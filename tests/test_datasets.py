@@ -20,9 +20,15 @@ def slices() -> dict:
 
 def test_photo_slices_are_large_enough_for_a_one_percent_budget(slices) -> None:
     evaluated = len(sample_photos()) - len(CALIBRATION_PHOTOS)
-    assert len(slices["held-out"]) == len(slices["perturbed"]) == 128 * evaluated >= 500
+    assert len(slices["held-out"]) == len(slices["perturbed"]) == -(-512 // evaluated) * evaluated >= 512
     assert len(slices["calibration"]) == 32 * len(CALIBRATION_PHOTOS)
     assert all(row.shape == (64, 64, 3) and row.dtype == np.uint8 for row in slices["held-out"].rows)
+
+
+def test_the_evaluation_photos_are_every_shipped_scene_but_the_calibration_ones() -> None:
+    photos = sample_photos()
+    assert {"motorcycle", "grace_hopper"} <= set(photos)
+    assert len(photos) - len(CALIBRATION_PHOTOS) >= 6
 
 
 def test_views_are_seeded_and_different_from_one_another(slices) -> None:
