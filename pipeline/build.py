@@ -175,7 +175,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
                     outputs_on,
                     predict,
                     reference,
-                    data.labels,
+                    data.evaluation,
                     recipe.budget,
                     workdir,
                 )
@@ -230,14 +230,13 @@ def tune_variants(
 ) -> list[Candidate]:
     """FP32 (`reference`: its outputs per evaluation slice) as the reference, then each requested
     kind tuned against the budget, in recipe order."""
-    labels = data.labels
     candidates = [
         Candidate(
             variant="fp32",
             precision="fp32",
             path=inputs.fp32,
             size_mb=inputs.fp32.stat().st_size / 1e6,
-            slices=judge_slices(inputs.task, reference, reference, labels),
+            slices=judge_slices(inputs.task, reference, reference, data.evaluation),
             accepted=True,
             reason="reference",
         )
@@ -249,7 +248,7 @@ def tune_variants(
             inputs,
             predict=predict,
             reference=reference,
-            labels=labels,
+            evaluation=data.evaluation,
             budget=recipe.budget,
         )
         if candidate.accepted:

@@ -54,14 +54,20 @@ def student_share(student: np.ndarray, threshold: float) -> float:
 
 
 def calibrate(
-    task: PipelineTask, budget: Budget, student: np.ndarray, teacher: np.ndarray, labels: np.ndarray | None
+    task: PipelineTask,
+    budget: Budget,
+    student: np.ndarray,
+    teacher: np.ndarray,
+    labels: np.ndarray | None,
+    groups: list | None = None,
 ) -> float:
     """The lowest threshold at which the cascade meets `CALIBRATION_SHARE` of `budget` on these rows
-    (inf: the teacher alone)."""
+    (inf: the teacher alone); `groups`: each row's source."""
     budget = budget.model_copy(update={"max_drop": {k: CALIBRATION_SHARE * v for k, v in budget.max_drop.items()}})
     confidences = student.max(-1)
     for threshold in np.unique(np.quantile(confidences, np.linspace(0, 1, THRESHOLDS + 1))):
-        judged = {"threshold": task.judge(teacher, cascade_outputs(student, teacher, float(threshold)), labels)}
+        answers = cascade_outputs(student, teacher, float(threshold))
+        judged = {"threshold": task.judge(teacher, answers, labels, groups)}
         if not budget_failures(budget, judged):
             return float(threshold)
     return float("inf")
@@ -74,7 +80,7 @@ def cascade_candidate(
     outputs_on: OutputsOn,
     predict: Predict,
     reference: Outputs,
-    labels: dict[str, np.ndarray | None],
+    evaluation: dict[str, Split],
     budget: Budget,
     workdir: Path,
 ) -> Candidate:
@@ -95,6 +101,7 @@ def cascade_candidate(
         outputs_on(student.path, student.engine, calibration),
         outputs_on(teacher.path, teacher.engine, calibration),
         calibration.labels,
+        calibration.groups,
     )
     if threshold == float("inf"):
         return candidate.model_copy(update={"reason": f"rejected: no threshold leaves {student.variant} any row"})
@@ -104,7 +111,7 @@ def cascade_candidate(
     shutil.copyfile(teacher.path, folder / TEACHER_FILE)
     outputs = predict(student.path, student.engine)
     answers = {name: cascade_outputs(outputs[name], reference[name], threshold) for name in reference}
-    slices = judge_slices(task, reference, answers, labels)
+    slices = judge_slices(task, reference, answers, evaluation)
     failures = budget_failures(budget, slices)
     shares = {name: round(student_share(outputs[name], threshold), 4) for name in reference}
     return candidate.model_copy(

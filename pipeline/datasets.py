@@ -37,12 +37,15 @@ PERTURBED_DIGIT_COPIES = 4  # 1 800 moved digits: a 1-point budget needs that ma
 
 @dataclass(frozen=True)
 class Split:
-    """Model-ready rows (uint8 images or token-id lists), plus labels when the data has them and,
-    for images decoded from files, each one's (width, height) before resizing."""
+    """Model-ready rows (uint8 images or token-id lists), plus labels when the data has them,
+    for images decoded from files each one's (width, height) before resizing, and where rows are
+    made from shared sources each one's source (a photo's name, a digit's index): the gate's bounds
+    count sources, not rows (pipeline/evaluate.py)."""
 
     rows: list
     labels: np.ndarray | None = None
     sizes: list[tuple[int, int]] | None = None
+    groups: list | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -99,7 +102,11 @@ def photo_split(spec: ImageInput, part: PhotoSlice) -> Split:
         image = decode_image(data)
         for index in range(views_per_photo):
             prepared.append(prepare_sized_image(ImageUpload(view(image, rng), None, f"{name}:{index}"), spec))
-    return Split([pixels for pixels, _ in prepared], sizes=[size for _, size in prepared])
+    return Split(
+        [pixels for pixels, _ in prepared],
+        sizes=[size for _, size in prepared],
+        groups=[name for name in photos for _ in range(views_per_photo)],
+    )
 
 
 TextPart = Literal["calibration", "evaluation", "profiling", "training"]
@@ -130,7 +137,9 @@ def digits_split(part: DigitsPart) -> Split:
         rng = np.random.default_rng(0 if part == "perturbed" else 1)
         copies = PERTURBED_DIGIT_COPIES
         return Split(
-            [perturbed_digit(image, rng) for image in test_x for _ in range(copies)], np.repeat(test_y, copies)
+            [perturbed_digit(image, rng) for image in test_x for _ in range(copies)],
+            np.repeat(test_y, copies),
+            groups=np.repeat(np.arange(len(test_x)), copies).tolist(),
         )
     if part == "calibration":
         return Split(list(train_x[:128]), train_y[:128])

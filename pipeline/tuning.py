@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel, Field
 
+from pipeline.datasets import Split
 from pipeline.evaluate import SliceFigures
 from pipeline.profile import ProfilePoint
 from pipeline.recipe import Budget
@@ -77,9 +78,13 @@ def budget_failures(budget: Budget, slices: dict[str, SliceFigures]) -> list[str
 
 
 def judge_slices(
-    task: PipelineTask, reference: Outputs, outputs: Outputs, labels: dict[str, np.ndarray | None]
+    task: PipelineTask, reference: Outputs, outputs: Outputs, evaluation: dict[str, Split]
 ) -> dict[str, SliceFigures]:
-    return {name: task.judge(reference[name], outputs[name], labels[name]) for name in reference}
+    """Each slice judged with its labels and its rows' sources."""
+    return {
+        name: task.judge(reference[name], outputs[name], evaluation[name].labels, evaluation[name].groups)
+        for name in reference
+    }
 
 
 def tune(
@@ -88,7 +93,7 @@ def tune(
     *,
     predict: Predict,
     reference: Outputs,
-    labels: dict[str, np.ndarray | None],
+    evaluation: dict[str, Split],
     budget: Budget,
 ) -> Candidate:
     candidate = Candidate(variant=kind.name, precision=kind.precision, engine=kind.engine)
@@ -101,7 +106,7 @@ def tune(
         try:
             kind.build(inputs, config, out)
             trial.config = config  # a kind may record what it chose inside its config while building
-            trial.slices = judge_slices(inputs.task, reference, predict(out, kind.engine), labels)
+            trial.slices = judge_slices(inputs.task, reference, predict(out, kind.engine), evaluation)
         except Exception as exc:  # a quantizer or runtime refusing a graph is a failed trial, not a crash
             logger.warning("%s %s failed: %s", kind.name, config, exc)
             trial.error = f"{type(exc).__name__}: {exc}"

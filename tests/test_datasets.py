@@ -38,6 +38,13 @@ def test_views_are_seeded_and_different_from_one_another(slices) -> None:
     assert len(distinct) == len(slices["held-out"])
 
 
+def test_each_view_names_its_photo_and_every_photo_has_as_many(slices) -> None:
+    for part in ("calibration", "held-out", "perturbed"):
+        names, counts = np.unique(slices[part].groups, return_counts=True)
+        assert len(slices[part].groups) == len(slices[part]) and len(set(counts)) == 1
+        assert (set(names) <= set(CALIBRATION_PHOTOS)) == (part == "calibration")
+
+
 def test_calibration_never_sees_an_evaluated_view(slices) -> None:
     calibration = {row.tobytes() for row in slices["calibration"].rows}
     evaluated = {row.tobytes() for part in ("held-out", "perturbed") for row in slices[part].rows}
@@ -48,6 +55,7 @@ def test_perturbed_digits_are_the_held_out_digits_moved_with_their_labels() -> N
     held_out, perturbed = digits_split("held-out"), digits_split("perturbed")
     assert len(perturbed) == 4 * len(held_out)
     np.testing.assert_array_equal(perturbed.labels, np.repeat(held_out.labels, 4))
+    assert perturbed.groups == np.repeat(np.arange(len(held_out)), 4).tolist(), "each copy names its digit"
     changed = [
         not np.array_equal(p, h) for p, h in zip(perturbed.rows, np.repeat(held_out.rows, 4, axis=0), strict=True)
     ]

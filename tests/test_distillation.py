@@ -74,7 +74,7 @@ def test_student_int8_is_not_built_without_an_accepted_student(tmp_path: Path) -
         feeds=lambda rows: {},
     )
     budget = Budget(max_drop={"accuracy": 1.0})
-    stacked = tune(KINDS["student-int8"], inputs, predict=never_judged, reference={}, labels={}, budget=budget)
+    stacked = tune(KINDS["student-int8"], inputs, predict=never_judged, reference={}, evaluation={}, budget=budget)
     assert not stacked.accepted and not stacked.trials
     assert stacked.reason == "not built: needs an accepted student variant"
 

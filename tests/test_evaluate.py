@@ -89,3 +89,36 @@ def test_kl_divergence_is_zero_for_the_reference_and_grows_as_probabilities_move
     expected = 0.7 * np.log(0.7 / 0.6) + 0.2 * np.log(0.2 / 0.3)
     assert moved.metrics["kl_divergence"] == moved.drops["kl_divergence"] == pytest.approx(expected)
     assert moved.metrics["top1_agreement"] == 1.0, "the distribution moved, the answer did not"
+
+
+def test_views_of_one_photo_count_as_one_source_when_they_disagree_together() -> None:
+    """Eight photos of 128 views each: twelve disagreements all on one photo are weaker evidence
+    than twelve spread over every photo, and the bound says so; spread evenly it is the rows'."""
+    reference, candidate = agreeing_probabilities(1024, 12)
+    photos = np.repeat([f"photo{i}" for i in range(8)], 128).tolist()
+    together = IMAGES.judge(reference, candidate, None, photos)
+    spread_rows = np.r_[np.arange(0, 1024, 128), np.arange(64, 1024, 256)]  # 8 + 4 rows, in every photo
+    spread = candidate.copy()
+    spread[:12], spread[spread_rows] = reference[:12], candidate[:12]
+    apart = IMAGES.judge(reference, spread, None, photos)
+    rows = IMAGES.judge(reference, candidate, None)
+    assert together.drops["top1_agreement"] == apart.drops["top1_agreement"] == rows.drops["top1_agreement"]
+    assert together.drop_bounds["top1_agreement"] > 1.5 * apart.drop_bounds["top1_agreement"]
+    assert apart.drop_bounds["top1_agreement"] == pytest.approx(rows.drop_bounds["top1_agreement"])
+
+
+def test_rows_that_are_each_their_own_source_keep_the_rows_bound() -> None:
+    rng = np.random.default_rng(0)
+    reference = rng.dirichlet(np.ones(10), 256)
+    candidate = reference + rng.uniform(0, 0.02, reference.shape)
+    candidate /= candidate.sum(-1, keepdims=True)
+    alone = IMAGES.judge(reference, candidate, None, list(range(256)))
+    rows = IMAGES.judge(reference, candidate, None)
+    for metric in ("top1_agreement", "top5_overlap", "kl_divergence"):
+        assert alone.drop_bounds[metric] == pytest.approx(rows.drop_bounds[metric], rel=0.01, abs=1e-9)
+
+
+def test_a_single_source_leaves_the_rows_bound() -> None:
+    reference, candidate = agreeing_probabilities(512, 3)
+    one = IMAGES.judge(reference, candidate, None, ["photo"] * 512)
+    assert one.drop_bounds == IMAGES.judge(reference, candidate, None).drop_bounds

@@ -74,7 +74,7 @@ def test_a_killed_worker_is_replaced_and_the_service_answers_again(
 
 
 def test_sigterm_drains_the_requests_already_accepted(manifest_file, tmp_path) -> None:
-    """Four requests of 7 photos each, read by the server and queued behind the engine, when
+    """Four requests of every sample photo each, read by the server and queued behind the engine, when
     SIGTERM arrives: every one is answered. (A request still unread in the socket when the server
     stops listening is closed unanswered: uvicorn's shutdown, before acceptance.)"""
     files = [("images", (f"{name}.jpg", data)) for name, data in sample_photos().items()]

@@ -91,7 +91,7 @@ def tuned(tiny_text) -> Candidate:
         inputs,
         predict=predict,
         reference=predict(inputs.fp32),
-        labels={"held-out": None},
+        evaluation={"held-out": Split([])},
         budget=Budget(max_drop={"mean_cosine": 0.05}),
     )
 
@@ -162,7 +162,7 @@ def test_missing_graph_empty_calibration_and_unexportable_model_are_clear_errors
         broken,
         predict=lambda path, engine_name: {"held-out": np.zeros((1, 4))},
         reference={"held-out": np.zeros((1, 4))},
-        labels={"held-out": None},
+        evaluation={"held-out": Split([])},
         budget=Budget(max_drop={"top1_agreement": 0.01}),
     )
     assert not candidate.accepted and len(candidate.trials) == 2

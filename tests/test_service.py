@@ -322,7 +322,7 @@ def test_a_malformed_deadline_header_is_a_422_naming_it(server, value: str) -> N
 
 
 def test_a_flood_gets_answers_or_fast_refusals_with_retry_after_and_the_service_recovers(server) -> None:
-    """32 requests of 7 photos at once, each allowed 16 times what one takes alone: twice the work
+    """32 requests of every sample photo at once, each allowed 16 times what one takes alone: twice the work
     the deadline leaves room for, yet enough for the first ones in, however slow the host. (The
     deadline counts from each request's arrival, and reading 32 bodies side by side takes a good
     part of it before any is admitted.)"""

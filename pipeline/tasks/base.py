@@ -45,11 +45,6 @@ class TaskData:
     training: Split | None = None
     threshold: Split | None = None  # where a cascade's threshold is calibrated, never judged on
 
-    @property
-    def labels(self) -> dict[str, np.ndarray | None]:
-        """Each evaluation slice's labels, where it has them (the gate's accuracy needs them)."""
-        return {name: split.labels for name, split in self.evaluation.items()}
-
 
 class PipelineTask(ABC):
     name: ClassVar[Task]
@@ -65,8 +60,11 @@ class PipelineTask(ABC):
         """Spec, files, feeds and the separate calibration, evaluation, profiling and training data."""
 
     @abstractmethod
-    def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
-        """The task's metrics of a candidate's outputs against the reference's, with their bounds."""
+    def judge(
+        self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None, groups: list | None = None
+    ) -> SliceFigures:
+        """The task's metrics of a candidate's outputs against the reference's, with their bounds
+        (`groups`: each row's source, where rows share sources)."""
 
     @abstractmethod
     def monitoring_reference(self, name: str, split: Split, outputs: np.ndarray) -> MonitoringReference:

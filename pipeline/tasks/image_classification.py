@@ -74,8 +74,10 @@ class ImageClassification(PipelineTask):
             threshold=threshold,
         )
 
-    def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
-        return classification_figures(reference, candidate, labels)
+    def judge(
+        self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None, groups: list | None = None
+    ) -> SliceFigures:
+        return classification_figures(reference, candidate, labels, groups)
 
     def monitoring_reference(self, name: str, split: Split, outputs: np.ndarray) -> MonitoringReference:
         """Rows without a decoded size (digits, arrays from the start) are as large as the model input."""

@@ -77,7 +77,10 @@ class TextEmbedding(PipelineTask):
             training=text_split(encode, "training"),
         )
 
-    def judge(self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None) -> SliceFigures:
+    def judge(
+        self, reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None, groups: list | None = None
+    ) -> SliceFigures:
+        """Sentences are distinct inputs: no sources to count."""
         return embedding_figures(reference, candidate)
 
     def monitoring_reference(self, name: str, split: Split, outputs: np.ndarray) -> MonitoringReference:
