@@ -18,6 +18,7 @@ from pipeline.recipe import LoadedRecipe
 from pipeline.report import write_report
 from pipeline.sources import load_source
 from pipeline.tasks import TASKS
+from sample_inputs import sample_photos
 from serving.artifacts import mismatched_files
 from serving.engine import EngineSettings, OnnxEngine
 from serving.manifest import ServingManifest
@@ -32,7 +33,8 @@ def stored_dir(result: BuildResult) -> Path:
 
 def test_image_export_matches_pytorch(built_models: dict[str, BuildResult]) -> None:
     check = built_models["image-classifier"].model.info.metadata["export_check"]
-    assert check["batch_sizes"] == [1, 3, 7] and check["samples"] == 11
+    photos = len(sample_photos())  # one, several and all of them
+    assert check["batch_sizes"] == [1, 3, photos] and check["samples"] == 1 + 3 + photos
     assert check["max_abs_diff"] < 1e-4
     assert check["min_cosine"] > 0.9999
     assert check["top1_agreement"] == 1.0
