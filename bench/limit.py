@@ -69,19 +69,20 @@ def _measure(
     *,
     seconds: float,
     slo_ms: float,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
 ) -> LimitResult:
     def run(batch: list) -> object:
         return infer(prepare(batch))
 
     rates: dict[int, float] = {}
     times: dict[int, list[float]] = {}
-    for size in BATCH_SIZES:
+    for size in batch_sizes:
         batches = _batches(items, size)
         run(batches[0])  # the first call at a new shape plans memory; not part of the figure
         times[size] = _timed_batches(run, batches, seconds / 2)
         rates[size] = size * len(times[size]) / sum(times[size])
     # Like the servers' knee: only batch sizes whose own p99 is within the SLO compete.
-    within = [b for b in BATCH_SIZES if b == 1 or _ms_percentile(times[b], 99) <= slo_ms]
+    within = [b for b in batch_sizes if b == 1 or _ms_percentile(times[b], 99) <= slo_ms]
     best = max(within, key=lambda b: rates[b])
     return LimitResult(
         best_batch=best,
@@ -93,7 +94,9 @@ def _measure(
     )
 
 
-def image_limit(stored: Any, photos: dict[str, bytes], *, seconds: float, slo_ms: float) -> LimitResult:
+def image_limit(
+    stored: Any, photos: dict[str, bytes], *, seconds: float, slo_ms: float, batch_sizes: Sequence[int] = BATCH_SIZES
+) -> LimitResult:
     """`stored`: the served `bentoml.Model`, run on its own engine."""
     spec = read_spec(stored.info.metadata)
     runtime = ImageModelRuntime(Path(stored.path), spec, EngineSettings.from_environment(), engine=engine_of(stored))
@@ -102,10 +105,12 @@ def image_limit(stored: Any, photos: dict[str, bytes], *, seconds: float, slo_ms
     def prepare(batch: list[ImageUpload]) -> np.ndarray:
         return np.stack([prepare_image(upload, spec.image) for upload in batch])
 
-    return _measure(prepare, runtime.predict, uploads, seconds=seconds, slo_ms=slo_ms)
+    return _measure(prepare, runtime.predict, uploads, seconds=seconds, slo_ms=slo_ms, batch_sizes=batch_sizes)
 
 
-def text_limit(stored: Any, texts: list[str], *, seconds: float, slo_ms: float) -> LimitResult:
+def text_limit(
+    stored: Any, texts: list[str], *, seconds: float, slo_ms: float, batch_sizes: Sequence[int] = BATCH_SIZES
+) -> LimitResult:
     spec = read_spec(stored.info.metadata)
     runtime = TextModelRuntime(Path(stored.path), spec, EngineSettings.from_environment(), engine=engine_of(stored))
     tokenizer = TextTokenizer(Path(stored.path) / TOKENIZER_FILE, max_length=spec.text.max_length)
@@ -113,10 +118,13 @@ def text_limit(stored: Any, texts: list[str], *, seconds: float, slo_ms: float) 
     def prepare(batch: list[str]) -> list[list[int]]:
         return tokenizer.encode(batch, truncate=True)
 
-    return _measure(prepare, runtime.predict, texts, seconds=seconds, slo_ms=slo_ms)
+    return _measure(prepare, runtime.predict, texts, seconds=seconds, slo_ms=slo_ms, batch_sizes=batch_sizes)
 
 
-def measure_limit(stored: Any, inputs: Sequence | dict, *, seconds: float, slo_ms: float) -> LimitResult:
-    """The limit of a stored model on its task's inputs: photos (name → bytes) or texts."""
+def measure_limit(
+    stored: Any, inputs: Sequence | dict, *, seconds: float, slo_ms: float, batch_sizes: Sequence[int] = BATCH_SIZES
+) -> LimitResult:
+    """The limit of a stored model on its task's inputs: photos (name → bytes) or texts;
+    `batch_sizes=(1,)` times one input alone, as a server at concurrency 1 gets it."""
     measure = {"image-classification": image_limit, "text-embedding": text_limit}[read_spec(stored.info.metadata).task]
-    return measure(stored, inputs, seconds=seconds, slo_ms=slo_ms)
+    return measure(stored, inputs, seconds=seconds, slo_ms=slo_ms, batch_sizes=batch_sizes)

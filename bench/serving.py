@@ -16,6 +16,13 @@ figures, ratios and target verdicts are printed and written to reports/bench/. W
 installed, each sweep is checked against it (bench/wrk.py): wrk at the knee's concurrency,
 same endpoint and bodies, must read the same throughput within 5 %, or the load generator
 was the bottleneck.
+
+What the server adds at concurrency 1 is judged on one input, the stall check's, against the
+limit's batch-1 latency on that same input. The sweep's c=1 p50 is of the input mix, and so is
+the limit's batch 1, but the two medians of a mix are not a latency difference: the sample
+photos' decode times fall in two clusters (JPEGs, about 6 ms; PNGs, 10 to 15 ms), half the
+requests in each, so either median lands anywhere in the gap between them. It is recorded
+beside the verdict, not judged.
 """
 
 from __future__ import annotations
@@ -120,6 +127,7 @@ class BenchModel:
     naive_payloads: Callable[[Samples], tuple[list, str]]  # the naive server's requests and path
     limit_inputs: Callable[[Samples], Sequence]  # what bench/limit.py measures the limit on
     one_input: Callable[[list], Payload]  # of `payloads`: the one request of the stall check
+    limit_input: Callable[[Payload], Sequence | dict]  # that request as bench/limit.py's inputs
 
     @property
     def path(self) -> str:
@@ -162,6 +170,7 @@ MODELS = {
         lambda samples: (naive_pixel_payloads(samples.files, REPO / "models" / "image-classifier.yaml"), "/predict"),
         lambda samples: samples.files,
         lambda payloads: first_of_type(payloads, "image/jpeg"),
+        lambda payload: {payload.name: payload.body},
     ),
     "text": BenchModel(
         "embed",
@@ -171,6 +180,7 @@ MODELS = {
         lambda samples: (_text_payloads(samples), "/embed"),
         lambda samples: samples.texts,
         lambda payloads: sentence_near(payloads, 12),
+        lambda payload: json.loads(payload.body)["texts"],
     ),
 }
 
@@ -460,9 +470,17 @@ def verdicts(model: str, figures: dict[str, Any], baseline: str | None) -> dict[
     mix = _ratio(c1_p99, c1_p50, max(2.0, engine_spread), at_most=True)
     out["c1_p99_vs_p50_mix"] = mix | {"engine_batch1_p99_vs_p50": engine_spread}
     out["knee_p99_vs_p50"] = _ratio(optiserve["knee_p99_ms"], optiserve["knee_p50_ms"], 3.0, at_most=True)
-    if c1_p50 is not None:
-        margin = c1_p50 - limit["batch1_p50_ms"]
-        out["c1_p50_vs_limit_batch1"] = {"excess_ms": margin, "target": "<= 1.5 ms", "met": margin <= 1.5}
+    alone = limit.get("one_input") or {}
+    if one.get("p50_ms") is not None and alone.get("input") == one.get("input"):
+        margin = one["p50_ms"] - alone["batch1_p50_ms"]
+        mix_margin = None if c1_p50 is None else c1_p50 - limit["batch1_p50_ms"]
+        out["c1_p50_vs_limit_batch1"] = {
+            "input": one["input"],
+            "excess_ms": margin,
+            "target": "<= 1.5 ms",
+            "met": margin <= 1.5,
+            "mix_excess_ms": mix_margin,  # not judged: see the module's docstring
+        }
     errors = optiserve["errors_below_knee"]
     out["no_errors_below_the_knee"] = {"errors": errors, "met": errors == 0 and opt_qps is not None}
     return out
@@ -651,8 +669,20 @@ def main(argv: list[str] | None = None) -> int:
         route = MODELS[model].route(manifest)
         print(f"measuring the {model} limit …", file=sys.stderr)
         inputs = MODELS[model].limit_inputs(samples)
-        limit = measure_limit(bentoml.models.get(route.tag), inputs, seconds=args.limit_seconds, slo_ms=args.slo_ms)
-        results["models"][model]["limit"] = asdict(limit) | {"served_max_batch_size": route.max_batch_size}
+        stored = bentoml.models.get(route.tag)
+        limit = measure_limit(stored, inputs, seconds=args.limit_seconds, slo_ms=args.slo_ms)
+        one = MODELS[model].one_input(MODELS[model].payloads(samples))
+        alone = measure_limit(
+            stored, MODELS[model].limit_input(one), seconds=args.limit_seconds, slo_ms=args.slo_ms, batch_sizes=(1,)
+        )
+        results["models"][model]["limit"] = asdict(limit) | {
+            "served_max_batch_size": route.max_batch_size,
+            "one_input": {
+                "input": one.name,
+                "batch1_p50_ms": alone.batch1_p50_ms,
+                "batch1_p99_ms": alone.batch1_p99_ms,
+            },
+        }
 
     env = server_env(manifest_path)
 

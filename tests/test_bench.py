@@ -46,6 +46,15 @@ def test_limit_tries_every_batch_size_whatever_the_served_cap(built_models) -> N
     assert 0 < limit.batch1_p50_ms <= limit.batch1_p99_ms
 
 
+def test_the_limit_of_one_input_alone_times_batch_1_only(built_models) -> None:
+    limit = text_limit(
+        built_models["text-embedder"].model, ["one short sentence"], seconds=0.1, slo_ms=1e6, batch_sizes=(1,)
+    )
+
+    assert list(limit.rows_per_s) == [1] and limit.best_batch == 1
+    assert 0 < limit.batch1_p50_ms <= limit.batch1_p99_ms
+
+
 @needs_wrk
 def test_wrk_sends_every_body_in_turn_and_counts_failed_statuses(tiny_server) -> None:
     payloads = [directives(n=1), directives(n=2, status=503), directives(n=3, status=404)]
@@ -114,6 +123,30 @@ def test_a_mixed_inputs_c1_spread_is_judged_against_the_engines_own_and_stalls_o
         "text", {"limit": limit, "optiserve": server((4, 20), (4, 9)), "naive": {"knee_throughput": 10.0}}, None
     )
     assert not stalling["c1_p99_vs_p50_mix"]["met"] and not stalling["c1_p99_vs_p50"]["met"]
+
+
+def test_the_c1_excess_is_judged_on_one_input_against_the_limit_on_that_input_alone() -> None:
+    """The mix's two medians can land on either side of a gap between its inputs: recorded, not judged."""
+    server = {
+        "knee_throughput": 100.0,
+        "knee_p50_ms": 10.0,
+        "knee_p99_ms": 20.0,
+        "c1_p50_ms": 9.5,  # the mix's median fell on a slow photo ...
+        "c1_p99_ms": 16.0,
+        "errors_below_knee": 0,
+        "one_input_c1": {"input": "b.jpg", "p50_ms": 7.0, "p99_ms": 8.0},
+    }
+
+    def excess(alone: dict) -> dict:
+        limit = {"throughput": 100.0, "batch1_p50_ms": 6.0, "batch1_p99_ms": 15.0, "one_input": alone}
+        figures = {"limit": limit, "optiserve": server, "naive": {"knee_throughput": 10.0}}
+        return verdicts("image", figures, None).get("c1_p50_vs_limit_batch1")
+
+    judged = excess({"input": "b.jpg", "batch1_p50_ms": 5.8, "batch1_p99_ms": 6.5})
+    assert judged["met"] and judged["excess_ms"] == pytest.approx(1.2) and judged["input"] == "b.jpg"
+    assert judged["mix_excess_ms"] == pytest.approx(3.5)  # ... the limit's on a fast one
+    assert not excess({"input": "b.jpg", "batch1_p50_ms": 5.0, "batch1_p99_ms": 6.0})["met"]
+    assert excess({"input": "a.png", "batch1_p50_ms": 5.8, "batch1_p99_ms": 6.5}) is None, "another input: no verdict"
 
 
 def test_the_swap_bench_counts_logged_swaps_and_holds_each_swap_to_the_phase_before_it(tmp_path) -> None:
