@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-import anyio
 import bentoml
 import numpy as np
 
@@ -23,7 +22,7 @@ from serving.metrics import count_cascade_answers
 from serving.model_calls import BatchedModel, Observer
 from serving.model_runtime import answered_by_teacher, read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
-from serving.monitoring import ModelMonitor
+from serving.monitoring import ModelMonitor, after_answer
 from serving.schemas import AnsweredBy, Prediction
 from serving.tracing import timed
 
@@ -115,7 +114,7 @@ class ImageClassifier:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
         with timed("decode"):
             prepared = await asyncio.gather(
-                *(anyio.to_thread.run_sync(prepare_sized_image, upload, self.spec) for upload in uploads)
+                *(asyncio.to_thread(prepare_sized_image, upload, self.spec) for upload in uploads)
             )
         pixels, started = np.stack([image for image, _ in prepared]), time.perf_counter()
         outputs = await self.model.run(pixels, admission)
@@ -123,7 +122,7 @@ class ImageClassifier:
         if observe is not None:
             observe(pixels, probabilities, time.perf_counter() - started)
         if self.monitor is not None:
-            self.monitor.observe_classifications([size for _, size in prepared], pixels, probabilities)
+            after_answer(self.monitor.observe_classifications, [size for _, size in prepared], pixels, probabilities)
         predictions = [top_k_predictions(row, self.class_names, top_k) for row in probabilities]
         if by_teacher is None:
             return Classified(predictions)

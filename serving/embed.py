@@ -16,7 +16,7 @@ from serving.manifest import Route
 from serving.model_calls import BatchedModel, Observer
 from serving.model_runtime import read_spec
 from serving.model_spec import TOKENIZER_FILE
-from serving.monitoring import ModelMonitor
+from serving.monitoring import ModelMonitor, after_answer
 from serving.text import TextTokenizer, check_text_batch
 from serving.tracing import timed
 
@@ -90,7 +90,7 @@ class TextEmbedder:
         if observe is not None:
             observe(ids, embeddings, time.perf_counter() - started)
         if self.monitor is not None:
-            self.monitor.observe_embeddings(ids, embeddings)
+            after_answer(self.monitor.observe_embeddings, ids, embeddings)
         return embeddings, sum(len(row) for row in ids)
 
     async def embed_bulk(self, texts: list[str], *, truncate: bool) -> tuple[np.ndarray, int]:

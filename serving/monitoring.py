@@ -19,10 +19,11 @@ texts would fill every window with a single client's data.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -210,6 +211,14 @@ def _instruments() -> dict[str, Any]:
         multiprocess_mode="livemax",
     )
     return found
+
+
+def after_answer(observe: Callable[..., None], *args: Any) -> None:
+    """Runs `observe(*args)` on the event loop once the current request has been answered: its
+    statistics (a multi-process histogram per statistic, the drift windows) cost the loop about
+    0.15 ms a photo, which a client at concurrency 1 would otherwise wait for, and a monitor that
+    fails is logged by the loop instead of failing the request."""
+    asyncio.get_running_loop().call_soon(observe, *args)
 
 
 class ModelMonitor:

@@ -5,6 +5,7 @@ the dashboard read exported."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 from pathlib import Path
@@ -25,7 +26,15 @@ from sample_inputs import corpus_sentences, sample_photos
 from serving.api import error_class
 from serving.errors import BodyTimeout, InferenceFailed, InputTooLarge, InvalidInput
 from serving.manifest import read_manifest
-from serving.monitoring import MONITORING_KEY, STATISTICS, ModelMonitor, MonitoringReference, Reference, Window
+from serving.monitoring import (
+    MONITORING_KEY,
+    STATISTICS,
+    ModelMonitor,
+    MonitoringReference,
+    Reference,
+    Window,
+    after_answer,
+)
 
 RNG_SEED = 7
 
@@ -308,3 +317,23 @@ def test_every_metric_the_alerts_and_panels_read_is_exported_with_the_labels_the
             assert selector.name in exported, f"{where}: {selector.name} is not exported"
             matched = {matcher.name for matcher in selector.matchers.matchers}
             assert matched <= exported[selector.name] | TARGET_LABELS, f"{where}: {selector.name} has no {matched}"
+
+
+def test_statistics_are_taken_after_the_answer_and_a_failing_monitor_fails_no_request() -> None:
+    seen: list[str] = []
+
+    async def answer() -> str:
+        after_answer(seen.append, "statistics")
+        after_answer(lambda: 1 / 0)
+        assert seen == [], "the request's own work goes first"
+        await asyncio.sleep(0)
+        return "answer"
+
+    loop, errors = asyncio.new_event_loop(), []
+    loop.set_exception_handler(lambda _, context: errors.append(context["exception"]))
+    try:
+        assert loop.run_until_complete(answer()) == "answer"
+    finally:
+        loop.close()
+    assert seen == ["statistics"]
+    assert [type(error) for error in errors] == [ZeroDivisionError]
