@@ -91,13 +91,13 @@ class _Pending:
 
 @dataclass
 class Admission:
-    """A request let in: its deadline, and the rows it reserved in the queue, each row's share
-    returned as the row is queued, the rest when the request ends."""
+    """A request let in: its deadline, and the rows it reserved in the queue until it is submitted."""
 
     deadline: float
     reserved_rows: int
     reserved_cost: float
     admitted: float = 0.0  # monotonic seconds
+    submitted: bool = False
     low: bool = False  # low priority: its own lane, reserving nothing in the normal one
 
 
@@ -173,7 +173,7 @@ class Batcher(Generic[Rows]):
     def admit(self, rows: int, *, timeout_ms: float | None = None, low: bool = False) -> Iterator[Admission]:
         """Let a request of `rows` items in, or raise `Refused`; `timeout_ms` (the client's) can only
         shorten the server's deadline, and binds even on an idle engine, where the server's does
-        not. What is left of the reservation when the block exits is returned. `low`: low priority
+        not. The reservation is returned when the block exits unsubmitted. `low`: low priority
         (see above)."""
         now = time.monotonic()
         with self._queue.lock:
@@ -191,7 +191,8 @@ class Batcher(Generic[Rows]):
         try:
             yield admission
         finally:
-            self._release(admission, admission.reserved_rows)
+            if not admission.submitted:
+                self._release(admission)
 
     def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None:
         """The refusal even the smallest request (one row) would get now, counted; None to let the
@@ -287,60 +288,24 @@ class Batcher(Generic[Rows]):
         self._metrics.refused(error.reason)
         return error
 
-    def _release(self, admission: Admission, rows: int) -> None:
+    def _release(self, admission: Admission) -> None:
         with self._queue.lock:
-            self._unreserve(admission, rows)
+            self._unreserve(admission)
 
-    def _unreserve(self, admission: Admission, rows: int) -> None:
-        """Returns `rows` rows' share of what `admission` still reserves. Caller holds the lock."""
-        if not admission.reserved_rows:
-            return
-        rows = min(rows, admission.reserved_rows)
-        cost = admission.reserved_cost * rows / admission.reserved_rows
-        admission.reserved_rows -= rows
-        admission.reserved_cost -= cost
-        self._queue.reserved_rows -= rows
-        self._queue.reserved_cost -= cost
+    def _unreserve(self, admission: Admission) -> None:
+        """Caller holds the lock."""
+        self._queue.reserved_rows -= admission.reserved_rows
+        self._queue.reserved_cost -= admission.reserved_cost
 
     async def run(self, rows: Rows, admission: Admission) -> np.ndarray:
         """Outputs for `rows`, in order; rows beyond one batch's caps are split into several."""
-        return await self._collect(self._enqueue_rows(rows, admission, self._start()))
-
-    async def run_prepared(
-        self, prepare: Sequence[Callable[[], Rows]], admission: Admission
-    ) -> list[tuple[Rows, np.ndarray]]:
-        """Each of `prepare` run on a worker thread (images: decoding one photo), its rows queued
-        from that thread the moment they are ready, and its rows and outputs, in order. The engine
-        starts on them at once rather than after a hop back to the busy event loop and on to the
-        engine thread (0.15-0.2 ms of a photo's latency at one connection). If one fails, the rows
-        the others queued are dropped before they run, and its error is raised."""
         loop = self._start()
-
-        def prepared_and_queued(make: Callable[[], Rows]) -> tuple[Rows, list[_Pending]]:
-            rows = make()
-            return rows, self._enqueue_rows(rows, admission, loop)
-
-        queued = await asyncio.gather(
-            *(asyncio.to_thread(prepared_and_queued, make) for make in prepare), return_exceptions=True
-        )
-        failed = next((result for result in queued if isinstance(result, BaseException)), None)
-        if failed is not None:
-            for result in queued:
-                if not isinstance(result, BaseException):
-                    for piece in result[1]:
-                        piece.future.cancel()
-            raise failed
-        return [(rows, await self._collect(pieces)) for rows, pieces in queued]
-
-    def _enqueue_rows(self, rows: Rows, admission: Admission, loop: asyncio.AbstractEventLoop) -> list[_Pending]:
-        """Queues `rows` for the engine, in parts that each fit one batch, from the loop or from a
-        worker thread; their share of the admission's reservation is returned. The parts' futures
-        resolve on `loop`."""
         now = time.monotonic()
         parts = self._split(rows, cost_cap=self._small_batch_cost() if admission.low else None)
         pieces = [self._pending(part, admission.deadline, now, loop, admission.admitted) for part in parts]
         with self._queue.lock:
-            self._unreserve(admission, len(rows))
+            self._unreserve(admission)
+            admission.submitted = True
             self._queue.last_interactive = now
             for piece in pieces:
                 if admission.low:
@@ -354,10 +319,6 @@ class Batcher(Generic[Rows]):
             if not admission.low:
                 self._speed.observe_preparation(now - admission.admitted)
             self._work.notify()
-        return pieces
-
-    async def _collect(self, pieces: list[_Pending]) -> np.ndarray:
-        """The outputs of queued pieces, in order, once the engine has run them."""
         outputs = await _gathered(pieces)
         with self._queue.lock:
             self._speed.observe_return(time.monotonic() - max(piece.finished for piece in pieces))

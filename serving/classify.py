@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -112,24 +112,17 @@ class ImageClassifier:
     ) -> Classified:
         if top_k < 1:
             raise InvalidInput(f"top_k must be at least 1, got {top_k}")
-        sizes: list[tuple[int, int]] = [(0, 0)] * len(uploads)
-        ready = [0.0] * len(uploads)
-
-        def decoded(index: int) -> np.ndarray:
-            """One photo as a batch of one row, queued by the model from the thread that decoded it."""
-            with timed("decode"):
-                image, sizes[index] = prepare_sized_image(uploads[index], self.spec)
-            ready[index] = time.perf_counter()
-            return image[None]
-
-        ran = await self.model.run_prepared([partial(decoded, index) for index in range(len(uploads))], admission)
-        pixels, outputs = (np.concatenate(parts) for parts in zip(*ran, strict=True))
-        started = max(ready)
+        with timed("decode"):
+            prepared = await asyncio.gather(
+                *(asyncio.to_thread(prepare_sized_image, upload, self.spec) for upload in uploads)
+            )
+        pixels, started = np.stack([image for image, _ in prepared]), time.perf_counter()
+        outputs = await self.model.run(pixels, admission)
         probabilities, by_teacher = answered_by_teacher(outputs) if self.cascade else (outputs, None)
         if observe is not None:
             observe(pixels, probabilities, time.perf_counter() - started)
         if self.monitor is not None:
-            after_answer(self.monitor.observe_classifications, sizes, pixels, probabilities)
+            after_answer(self.monitor.observe_classifications, [size for _, size in prepared], pixels, probabilities)
         predictions = [top_k_predictions(row, self.class_names, top_k) for row in probabilities]
         if by_teacher is None:
             return Classified(predictions)

@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, TypeVar
@@ -65,10 +65,6 @@ class BatchedModel(Protocol):
     def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None: ...
 
     async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray: ...
-
-    async def run_prepared(
-        self, prepare: Sequence[Callable[[], np.ndarray]], admission: Admission
-    ) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
     async def run_bulk(self, rows: np.ndarray | list) -> np.ndarray: ...
 
@@ -177,15 +173,6 @@ class RemoteModel:
 
     async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray:
         return await self.run_bulk(rows)
-
-    async def run_prepared(
-        self, prepare: Sequence[Callable[[], np.ndarray]], admission: Admission
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """As the batcher's: prepared on worker threads, then sent in one call."""
-        prepared = await asyncio.gather(*(asyncio.to_thread(make) for make in prepare))
-        outputs = await self.run(np.concatenate(prepared), admission)
-        ends = np.cumsum([len(rows) for rows in prepared])
-        return list(zip(prepared, np.split(outputs, ends[:-1]), strict=True))
 
     async def run_bulk(self, rows: np.ndarray | list) -> np.ndarray:
         """The model service's batcher has no priorities: bulk rows queue like any others."""

@@ -119,57 +119,6 @@ def test_a_text_longer_than_the_token_budget_still_runs_alone() -> None:
     assert model.batches == [[[7] * 200]]
 
 
-def test_prepared_rows_are_queued_from_the_thread_that_prepared_them_and_come_back_in_order() -> None:
-    model = RecordingModel(seconds_per_batch=0.01)
-    batcher = make_batcher(model, endpoint="prepared", max_batch_size=4)
-    queued_from: list[str] = []
-
-    def prepare(value: float, delay: float):
-        def make() -> np.ndarray:
-            time.sleep(delay)  # the last to be ready is the first asked for
-            queued_from.append(threading.current_thread().name)
-            return np.full((1, 2), value)
-
-        return make
-
-    async def request() -> tuple[list, int]:
-        with batcher.admit(3) as admission:
-            ran = await batcher.run_prepared([prepare(1, 0.06), prepare(2, 0.03), prepare(3, 0.0)], admission)
-            return ran, admission.reserved_rows
-
-    ran, still_reserved = asyncio.run(request())
-
-    assert [rows[0, 0] for rows, _ in ran] == [1, 2, 3]
-    assert [outputs.tolist() for _, outputs in ran] == [[[2, 2]], [[4, 4]], [[6, 6]]]
-    assert len(model.batches) == 3, "each row ran as soon as it was ready, not once all were"
-    assert still_reserved == 0 and batcher.refusal_at_door() is None
-    assert all(name != threading.main_thread().name for name in queued_from)
-
-
-def test_a_failed_preparation_fails_its_request_and_the_rows_already_queued_never_run() -> None:
-    model = RecordingModel(seconds_per_batch=0.05)
-    batcher = make_batcher(model, endpoint="prepared-failing", max_batch_size=4)
-
-    def fails() -> np.ndarray:
-        time.sleep(0.02)
-        raise ValueError("not an image")
-
-    async def scenario() -> BaseException | None:
-        blocker = asyncio.ensure_future(submit(batcher, np.zeros((1, 2))))  # keeps the engine busy
-        await asyncio.sleep(0.01)
-        with batcher.admit(2) as admission:
-            try:
-                await batcher.run_prepared([lambda: np.ones((1, 2)), fails], admission)
-            except ValueError as exc:
-                error = exc
-        await blocker
-        await asyncio.sleep(0.1)  # time for anything still queued to run
-        return error
-
-    assert isinstance(asyncio.run(scenario()), ValueError)
-    assert [batch.tolist() for batch in model.contents] == [[[0, 0]]], "the failed request's row ran"
-
-
 def test_the_engine_runs_on_one_thread_of_its_own() -> None:
     model = RecordingModel(seconds_per_batch=0)
     asyncio.run(together(make_batcher(model, endpoint="thread"), [np.ones((1, 2))] * 5))
