@@ -148,6 +148,11 @@ def test_the_c1_excess_is_judged_on_one_input_against_the_limit_on_that_input_al
     assert not excess({"input": "b.jpg", "batch1_p50_ms": 5.0, "batch1_p99_ms": 6.0})["met"]
     assert excess({"input": "a.png", "batch1_p50_ms": 5.8, "batch1_p99_ms": 6.5}) is None, "another input: no verdict"
 
+    server["one_input_c1"] |= {"wrk_p50_ms": 6.5}  # wrk's reading, where installed, is the one judged
+    read_by_wrk = excess({"input": "b.jpg", "batch1_p50_ms": 5.8, "batch1_p99_ms": 6.5})
+    assert read_by_wrk["read_with"] == "wrk" and read_by_wrk["excess_ms"] == pytest.approx(0.7)
+    assert read_by_wrk["loadtest_excess_ms"] == pytest.approx(1.2)
+
 
 def test_the_swap_bench_counts_logged_swaps_and_holds_each_swap_to_the_phase_before_it(tmp_path) -> None:
     log = tmp_path / "bentoml.log"
