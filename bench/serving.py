@@ -18,13 +18,12 @@ same endpoint and bodies, must read the same throughput within 5 %, or the load 
 was the bottleneck.
 
 What the server adds at concurrency 1 is judged on one input, the stall check's, against the
-limit's batch-1 latency on that same input, read with wrk where it is installed (the load
-tester's own reading is recorded beside it: on 2 cores its client, woken per answer, read
-0.3-0.4 ms more than wrk on /classify at one connection, and as much as wrk on an echo
-server). The sweep's c=1 p50 is of the input mix, and so is the limit's batch 1, but the two
-medians of a mix are not a latency difference: the sample photos' decode times fall in two
-clusters (JPEGs, about 6 ms; PNGs, 10 to 15 ms), half the requests in each, so either median
-lands anywhere in the gap between them. It is recorded beside the verdict, not judged.
+limit's batch-1 latency on that same input, read with wrk where it is installed, the issue's
+yardstick (the load tester's own reading is recorded beside it). The sweep's c=1 p50 is of the
+input mix, and so is the limit's batch 1, but the two medians of a mix are not a latency
+difference: the sample photos' decode times fall in two clusters (JPEGs, about 6 ms; PNGs, 10
+to 15 ms), half the requests in each, so either median lands anywhere in the gap between
+them. It is recorded beside the verdict, not judged.
 """
 
 from __future__ import annotations
