@@ -709,8 +709,8 @@ def main(argv: list[str] | None = None) -> int:
                     one = MODELS[model].one_input(payloads)
                     document["stall_check"] = stall_check(url + path, one, args.stall_seconds)
                     if wrk_installed():
-                        alone = run_wrk(url + path, [one], connections=1, seconds=args.stall_seconds)
-                        document["stall_check"]["wrk_p50_ms"] = alone.p50_ms
+                        by_wrk = run_wrk(url + path, [one], connections=1, seconds=args.stall_seconds)
+                        document["stall_check"]["wrk_p50_ms"] = by_wrk.p50_ms
                 results["models"][model][f"{name}_sweep"] = document
         results["servers"].append(name)
 
