@@ -10,6 +10,7 @@ objects). Run it on uvloop (`uvloop.run`), the loop uvicorn serves with.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections.abc import Mapping
@@ -22,12 +23,16 @@ import httptools
 # timeout_keep_alive), and a request written as it does so is answered with a reset (seen under a
 # flood of clients waiting out a Retry-After), an error of the load tester's, not the server's.
 KEEPALIVE_S = 4.0
+# The Server-Timing step of a refusal the server held because its client came back before its
+# last Retry-After (optiserve's door): such a refusal is slow by design, not for want of capacity.
+HELD_TIMING = re.compile(rb"(?:^|,)\s*held;")
 
 
 class Response(NamedTuple):
     status: int
     body: bytes
     retry_after: str | None = None  # the one header a load test acts on: when a refused client may return
+    held: bool = False  # the server held it before answering (a `held` step in its Server-Timing)
 
 
 class ServerDisconnected(ConnectionError):
@@ -62,6 +67,7 @@ class Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[Response] | None = None
         self.body: list[bytes] = []
         self.retry_after: str | None = None
+        self.held = False
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -81,6 +87,8 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) == 11 and name.lower() == b"retry-after":
             self.retry_after = value.decode("latin-1")
+        elif len(name) == 13 and name.lower() == b"server-timing":
+            self.held = HELD_TIMING.search(value) is not None
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -89,7 +97,7 @@ class Connection(asyncio.Protocol):
         if not self.parser.should_keep_alive():
             self.close()
         if self.waiter is not None and not self.waiter.done():
-            response = Response(self.parser.get_status_code(), b"".join(self.body), self.retry_after)
+            response = Response(self.parser.get_status_code(), b"".join(self.body), self.retry_after, self.held)
             self.waiter.set_result(response)
 
     def fail(self, exc: BaseException) -> None:
@@ -110,7 +118,7 @@ class Connection(asyncio.Protocol):
         if self.transport is None:
             raise RuntimeError("request on a connection that was never made: open it with connect()")
         loop = asyncio.get_running_loop()
-        self.waiter, self.body, self.retry_after = loop.create_future(), [], None
+        self.waiter, self.body, self.retry_after, self.held = loop.create_future(), [], None, False
         timer = loop.call_later(timeout, self.fail, TimeoutError())
         self.transport.write(data)
         try:

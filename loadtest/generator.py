@@ -38,18 +38,18 @@ def post_requests(url: str, payloads: Sequence[Payload], headers: Mapping[str, s
 async def send(pool: Pool, request: Request, recorder: Recorder, since: float) -> float | None:
     """One request; latency runs from `since` (the send time, or the scheduled arrival in open loop).
     Returns the seconds a refusal (429, 503) asked the client to wait, if it was one."""
-    wait = None
+    wait, held = None, False
     try:
         response = await pool.request(request.data)
         status = str(response.status)
         if response.status in REFUSALS:
-            wait = retry_after_s(response.retry_after)
+            wait, held = retry_after_s(response.retry_after), response.held
     except TimeoutError:
         status = "timeout"
     except (OSError, httptools.HttpParserError) as exc:
         status = type(exc).__name__
     finished = time.perf_counter()
-    recorder.add(Outcome(finished=finished, latency=finished - since, status=status, rows=request.rows))
+    recorder.add(Outcome(finished=finished, latency=finished - since, status=status, rows=request.rows, held=held))
     return wait
 
 

@@ -23,6 +23,7 @@ class Outcome:
     latency: float
     status: str
     rows: int = 1
+    held: bool = False  # a refusal the server held for coming back before its Retry-After
 
     @property
     def ok(self) -> bool:

@@ -52,7 +52,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serving.errors import InvalidInput, Refused
 from serving.metrics import count_held_refusal
 from serving.settings import hold_early_retries
-from serving.tracing import REQUEST_ID_KEY, SANE_REQUEST_ID
+from serving.tracing import REQUEST_ID_KEY, SANE_REQUEST_ID, timed
 
 DEADLINE_HEADER = "X-Deadline-Ms"
 DEADLINE_HEADER_KEY = DEADLINE_HEADER.lower().encode()
@@ -64,6 +64,7 @@ MAX_HOLD_S = 5.0
 # A connection back before this share of its last Retry-After came back early (clocks and timers differ).
 EARLY_SHARE = 0.9
 PRUNE_AT = 4096  # clients remembered before those whose Retry-After has ended are forgotten
+HELD_STEP = "held"  # the Server-Timing step of a refusal held for coming back early
 MODELS_PREFIX = "/models/"  # each model's own endpoints (service.py); an unknown one is answered here
 
 # A client as the door knows it: its request's id (`("id", value)`) or, without one, its TCP
@@ -99,12 +100,15 @@ class EarlyRetries:
         return cls(on_hold=count_held_refusal) if hold_early_retries() else None
 
     async def hold(self, scope: Scope, refusal: Refused) -> None:
-        """Waits as long as the refusal of the request in `scope` is held."""
+        """Waits as long as the refusal of the request in `scope` is held; its Server-Timing then
+        has a `held` step, so that a client (and the overload bench) can tell a refusal held for
+        coming back early from one that waited for a busy server."""
         wait = self.delay(client_of(scope), time.monotonic(), float(refusal.headers["Retry-After"]))
         if wait > 0:
             if self.on_hold is not None:
                 self.on_hold()
-            await asyncio.sleep(wait)
+            with timed(HELD_STEP):
+                await asyncio.sleep(wait)
 
 
 class Door:

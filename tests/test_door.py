@@ -11,6 +11,7 @@ import pytest
 
 from serving.door import DRAIN_LIMIT_BYTES, MAX_HOLD_S, Door, EarlyRetries, client_of
 from serving.errors import DeadlineUnmet, QueueFull, Refused
+from serving.tracing import RequestTracing
 from tests.test_batching import RecordingModel, make_batcher, sample, submit
 
 
@@ -135,7 +136,7 @@ def test_a_hammering_connection_waits_out_its_retry_after_while_a_new_one_is_ans
     soon = QueueFull("the test queue is full", retry_after_s=0.2)  # sent as Retry-After: 1
 
     async def scenario() -> tuple[list[float], float]:
-        door = Door(App(), guards={"/classify": lambda *_: soon}, early_retries=early)
+        door = RequestTracing(Door(App(), guards={"/classify": lambda *_: soon}, early_retries=early), log=False)
 
         def connection(port: int) -> httpx.AsyncClient:
             transport = httpx.ASGITransport(app=door, client=("10.0.0.1", port))
@@ -143,18 +144,22 @@ def test_a_hammering_connection_waits_out_its_retry_after_while_a_new_one_is_ans
 
         async def timed(client: httpx.AsyncClient) -> float:
             started = time.perf_counter()
-            assert (await client.post("/classify", content=b"x")).status_code == 429
+            refused = await client.post("/classify", content=b"x")
+            assert refused.status_code == 429
+            timing.append(refused.headers["server-timing"])
             return time.perf_counter() - started
 
         async with connection(1) as hammering, connection(2) as fresh:
             hammered = [await timed(hammering) for _ in range(2)]
             return hammered, await timed(fresh)
 
+    timing: list[str] = []
     hammered, fresh = asyncio.run(scenario())
 
     assert hammered[0] < 0.05 and hammered[1] >= 0.85, hammered  # Retry-After: 1, back at once: held ~0.9 s
     assert fresh < 0.05
     assert len(held) == 1
+    assert [step.startswith("held;dur=") for step in timing] == [False, True, False], "Server-Timing says which"
 
 
 def test_the_batchers_door_check_judges_the_queue_alone_and_counts_its_refusals() -> None:

@@ -197,6 +197,28 @@ def test_a_client_honouring_retry_after_waits_before_its_next_request(tiny_serve
         assert set(ids) == {None}
 
 
+def test_a_refusal_the_server_held_is_told_from_one_answered_at_once(tiny_server) -> None:
+    """The door names a refusal it held `held` in Server-Timing; nothing else counts as held."""
+    url = tiny_server.url + "/refuse"
+    answers = [
+        directives(status=503, retry_after="1", server_timing="total;dur=0.2"),
+        directives(status=503, retry_after="1", server_timing="held;dur=880.00, total;dur=880.31"),
+        directives(status=429, retry_after="1", server_timing="total;dur=1.0, unheld;dur=2"),
+        directives(status=200, server_timing="held;dur=1"),
+    ]
+    recorder = Recorder()
+
+    async def load() -> None:
+        pool = Pool(url, timeout=5)
+        for request in post_requests(url, answers):
+            await send(pool, request, recorder, time.perf_counter())
+        pool.close()
+
+    uvloop.run(load())
+
+    assert [o.held for o in recorder.outcomes] == [False, True, False, False]
+
+
 def test_failures_are_counted_by_name() -> None:
     url = f"http://127.0.0.1:{free_port()}/nothing-listens"
     recorder = Recorder()

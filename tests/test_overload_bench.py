@@ -20,6 +20,7 @@ def test_flood_figures_count_goodput_per_second_and_refusals_apart_from_accepted
     flooded = [Outcome(finished=100.0 + i / 10, latency=0.2, status="200") for i in range(50)]
     flooded += [Outcome(finished=105.0, latency=0.002, status="503") for _ in range(99)]
     flooded += [Outcome(finished=105.0, latency=0.004, status="429")]
+    flooded += [Outcome(finished=105.0, latency=0.9, status="429", held=True)]
     probed = [Outcome(finished=stopped + 0.1, latency=0.5, status="200")]
     probed += [Outcome(finished=stopped + 0.6 + i / 100, latency=0.004, status="200") for i in range(40)]
 
@@ -28,8 +29,9 @@ def test_flood_figures_count_goodput_per_second_and_refusals_apart_from_accepted
     )
 
     assert flood.goodput == 5.0 and flood.on_time == 5.0
-    assert flood.statuses == {"200": 50, "429": 1, "503": 99}
-    assert flood.accepted_p99_ms == 200.0 and flood.refused_p99_ms == 2.0
+    assert flood.statuses == {"200": 50, "429": 2, "503": 99}
+    assert flood.accepted_p99_ms == 200.0 and flood.refused_p99_ms == 4.0
+    assert flood.refused_at_once_p99_ms == 2.0, "the refusal held for an early retry apart"
     assert flood.recovery_p99_ms[0] == 500.0 and flood.recovered_after_s == BUCKET_S
 
 

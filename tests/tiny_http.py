@@ -2,7 +2,7 @@
 
 A POST body is a JSON object of directives: `status` (default 200), `sleep` (seconds before
 answering), `close` (answer with `Connection: close`), `chunked` (a chunked answer),
-`retry_after` (a Retry-After header's value); the
+`retry_after` (a Retry-After header's value), `server_timing` (a Server-Timing header's); the
 answer echoes the body. A GET answers 200 with `# GET <path>` (a comment to a Prometheus parser).
 The server counts connections and records every request, so tests can check keep-alive reuse
 and which bodies were sent.
@@ -81,10 +81,12 @@ def answer(
     close: bool = False,
     chunked: bool = False,
     retry_after: str | None = None,
+    server_timing: str | None = None,
     **_: object,
 ) -> bytes:
     head = f"HTTP/1.1 {status} Whatever\r\n" + ("Connection: close\r\n" if close else "")
     head += f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
+    head += f"Server-Timing: {server_timing}\r\n" if server_timing is not None else ""
     if not chunked:
         return f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
     half = len(body) // 2
