@@ -103,15 +103,57 @@ class Admission:
 
 @dataclass
 class _Speed:
-    """Running estimates from the engine's own recent batches, not constants."""
+    """Running estimates from the engine's own recent batches, not constants.
 
-    seconds_per_cost: float | None = None
+    A batch's engine time is kept per batch size (powers of two of its cost), each from the recent
+    batches of about that size, and read between sizes along the line joining them: a batch's cost
+    per unit falls as it grows (MiniLM on 2 cores: 85 µs per token in 1-row batches, 34 µs in
+    64-row ones), so a single running figure is that of whatever size ran last. After a lull of
+    1-row batches it made the first second of a flood look 2.5 × slower than the full batches that
+    flood then ran in, and refused requests it would have answered well within their deadline
+    (RELIABILITY.md)."""
+
+    batches: dict[int, tuple[float, float]] = field(default_factory=dict)  # size → (cost, seconds)
+    backlog_batch_cost: float | None = None  # batches taken from a queue they did not empty
     cost_per_row: float | None = None
     preparation_seconds: float | None = None  # from admission to the queue
     return_seconds: float = 0.0  # from a batch's end to its callers resuming on the event loop
 
     def observe_batch(self, seconds: float, cost: int) -> None:
-        self.seconds_per_cost = _smooth(self.seconds_per_cost, seconds / cost)
+        size = cost.bit_length()
+        known_cost, known_seconds = self.batches.get(size, (None, None))
+        self.batches[size] = (_smooth(known_cost, cost), _smooth(known_seconds, seconds))
+
+    def observe_backlog_batch(self, cost: int) -> None:
+        """A batch that left requests waiting: its size is what the caps and the deadlines allow a
+        backlog, not what the traffic happened to offer."""
+        self.backlog_batch_cost = _smooth(self.backlog_batch_cost, cost)
+
+    def batch_seconds(self, cost: float) -> float:
+        """The engine time of one batch of `cost` units: interpolated between the nearest sizes
+        measured, at the nearest size's speed beyond them; 0 before any batch ran."""
+        if not self.batches:
+            return 0.0
+        points = sorted(self.batches.values())
+        below = [point for point in points if point[0] <= cost]
+        above = [point for point in points if point[0] > cost]
+        if not below or not above:
+            known_cost, known_seconds = below[-1] if below else above[0]
+            return cost * known_seconds / known_cost
+        (low_cost, low_seconds), (high_cost, high_seconds) = below[-1], above[0]
+        return low_seconds + (cost - low_cost) * (high_seconds - low_seconds) / (high_cost - low_cost)
+
+    def engine_seconds(self, cost: float, batch_cost: float) -> float:
+        """Engine time for `cost` units run in batches of at most `batch_cost`: full batches, then the rest."""
+        if cost <= 0:
+            return 0.0
+        full, rest = divmod(cost, batch_cost) if cost > batch_cost else (0, cost)
+        return full * self.batch_seconds(batch_cost) + self.batch_seconds(rest)
+
+    def small_batch_cost(self) -> int | None:
+        """The cost of about `BULK_BATCH_SECONDS` of engine time, once the engine's speed is known."""
+        per_cost = self.batch_seconds(1)
+        return max(1, int(BULK_BATCH_SECONDS / per_cost)) if per_cost else None
 
     def observe_request(self, rows: int, cost: int) -> None:
         self.cost_per_row = _smooth(self.cost_per_row, cost / rows)
@@ -214,14 +256,14 @@ class Batcher(Generic[Rows]):
             return QueueFull(message, retry_after_s=self._drain_seconds(now)), now
         budget_ms = self._budget_ms(timeout_ms)
         budget_left = budget_ms / 1000 - _spent_seconds()
-        per_cost = self._speed.seconds_per_cost or 0.0
         # Reserved work reaches the queue about when this request does, queued work meanwhile drains.
         # The preparation time counts while others are being prepared: it was measured on admitted
         # requests, so with none in preparation it is a figure from a past crowd, which would
         # otherwise refuse everything it no longer gets to measure.
         preparing = (self._speed.preparation_seconds or 0.0) if queue.reserved_rows else 0.0
-        ahead = max(preparing, self._queued_seconds(now)) + queue.reserved_cost * per_cost
-        late = ahead + own_cost * per_cost + self._returning() - budget_left
+        queued = self._queued_engine_seconds(queue.queued_cost)
+        behind = self._queued_engine_seconds(queue.queued_cost + queue.reserved_cost + own_cost) - queued
+        late = max(preparing, self._running_left(now) + queued) + behind + self._returning() - budget_left
         if late <= 0:
             return None, now + budget_left
         if self._drain_seconds(now) == 0 and timeout_ms is None:
@@ -242,8 +284,9 @@ class Batcher(Generic[Rows]):
             return Shed(message, retry_after_s=max(1.0, self._drain_seconds(now))), now
         budget_ms = self._budget_ms(timeout_ms)
         budget_left = budget_ms / 1000 - _spent_seconds()
-        per_cost = self._speed.seconds_per_cost or 0.0
-        work = self._queued_seconds(now) + (queue.low_cost + own_cost) * per_cost + self._returning()
+        low_batch = self._speed.small_batch_cost() or own_cost
+        low_work = self._speed.engine_seconds(queue.low_cost + own_cost, low_batch)
+        work = self._queued_seconds(now) + low_work + self._returning()
         late = work - budget_left
         if late <= 0:
             return None, now + budget_left
@@ -273,16 +316,33 @@ class Batcher(Generic[Rows]):
 
     def _drain_seconds(self, now: float) -> float:
         """Engine time until everything admitted so far has run. Caller holds the lock."""
-        return self._queued_seconds(now) + self._queue.reserved_cost * (self._speed.seconds_per_cost or 0.0)
+        queue = self._queue
+        return self._running_left(now) + self._queued_engine_seconds(queue.queued_cost + queue.reserved_cost)
 
     def _queued_seconds(self, now: float) -> float:
         """Engine time until the running batch and the queue have run. Caller holds the lock."""
-        per_cost = self._speed.seconds_per_cost
-        if per_cost is None:  # nothing measured yet: admit, and learn from the first batch
-            return 0.0
+        return self._running_left(now) + self._queued_engine_seconds(self._queue.queued_cost)
+
+    def _running_left(self, now: float) -> float:
+        """Engine time the running batch still needs (0 before any batch was measured: admit, and
+        learn from the first). Caller holds the lock."""
         queue = self._queue
-        running_left = max(0.0, queue.running_since + queue.running_cost * per_cost - now) if queue.running_cost else 0
-        return running_left + queue.queued_cost * per_cost
+        if not queue.running_cost:
+            return 0.0
+        ends = queue.running_since + self._speed.batch_seconds(queue.running_cost)
+        return max(0.0, ends - now)
+
+    def _queued_engine_seconds(self, cost: float) -> float:
+        """Engine time for `cost` units of normal requests, in the batches a backlog runs in."""
+        return self._speed.engine_seconds(cost, self._backlog_batch_cost())
+
+    def _backlog_batch_cost(self) -> float:
+        """The size of the batches a backlog runs in: as measured on recent ones, which deadlines may
+        cut short, else a full batch: `max_batch_size` rows at the recent cost per row, or fewer
+        where `max_batch_tokens` caps it first."""
+        rows_cost = self.limits.max_batch_size * (self._speed.cost_per_row or 1.0)
+        full = min(rows_cost, self.limits.max_batch_tokens or math.inf) if self._tokens else rows_cost
+        return min(full, self._speed.backlog_batch_cost or full)
 
     def _refuse(self, error: Refused) -> Refused:
         self._metrics.refused(error.reason)
@@ -337,10 +397,8 @@ class Batcher(Generic[Rows]):
         pending.insert(index, piece)
 
     def _small_batch_cost(self) -> int | None:
-        """The cost of about `BULK_BATCH_SECONDS` of engine time, once the engine's speed is known."""
         with self._queue.lock:
-            per_cost = self._speed.seconds_per_cost
-        return max(1, int(BULK_BATCH_SECONDS / per_cost)) if per_cost else None
+            return self._speed.small_batch_cost()
 
     async def run_bulk(self, rows: Rows) -> np.ndarray:
         """Outputs for `rows`, in order, computed at low priority in small batches (see above)."""
@@ -465,13 +523,12 @@ class Batcher(Generic[Rows]):
         ones before it. Caller holds the lock."""
         queue = self._queue
         expired: list[_Pending] = []
-        per_cost = self._speed.seconds_per_cost or 0.0
         while queue.low:
             piece = queue.low.popleft()
             queue.low_cost -= piece.cost
             if piece.future.cancelled():
                 continue
-            if now + piece.cost * per_cost + self._returning() > piece.deadline:
+            if now + self._speed.batch_seconds(piece.cost) + self._returning() > piece.deadline:
                 expired.append(piece)
                 continue
             queue.running_cost, queue.running_since = piece.cost, now
@@ -496,11 +553,10 @@ class Batcher(Generic[Rows]):
         expired: list[_Pending] = []
         rows = cost = longest = total = 0
         earliest = math.inf
-        per_cost = self._speed.seconds_per_cost or 0.0
         returning = self._returning(taking=True)
 
         def answered(batch_cost: int) -> float:
-            return now + batch_cost * per_cost + returning
+            return now + self._speed.batch_seconds(batch_cost) + returning
 
         while queue.pending:
             piece = queue.pending[0]
@@ -520,6 +576,8 @@ class Batcher(Generic[Rows]):
             batch.append(piece)
             earliest = min(earliest, piece.deadline)
             rows, cost, longest, total = rows + piece.count, cost + piece.cost, grown_longest, grown_total
+        if batch and queue.pending:
+            self._speed.observe_backlog_batch(cost)
         queue.running_cost, queue.running_since = cost, now
         return batch, expired
 

@@ -184,6 +184,25 @@ def test_requests_the_queue_cannot_serve_in_time_are_refused_at_the_door_and_the
     assert sample("optiserve_refused_total", "door", reason="deadline") == len(refused)
 
 
+def test_a_burst_after_a_lull_is_judged_at_the_speed_of_the_full_batches_it_will_run_in() -> None:
+    """30 ms per batch plus 1 ms per row, a 300 ms deadline: after a full batch and a lull of
+    1-row batches (31 ms per row), 48 requests at once run in three batches of 16 (46 ms each),
+    so all are admitted and answered in time; judged at the lull's speed, most were refused."""
+    model = RecordingModel(seconds_per_batch=0.03, seconds_per_row=0.001)
+    batcher = make_batcher(model, endpoint="burst", max_batch_size=16, max_latency_ms=300)
+
+    async def lull_then_burst() -> list:
+        await submit(batcher, np.ones((16, 1)))  # a full batch
+        for _ in range(5):
+            await submit(batcher, np.ones((1, 1)))  # the lull
+        return await together(batcher, [np.ones((1, 1)) for _ in range(48)])
+
+    outcomes = asyncio.run(lull_then_burst())
+
+    assert not [o for o in outcomes if isinstance(o, Exception)], "refused though it fitted in full batches"
+    assert max(model.batches[6:]) == 16
+
+
 def test_the_time_requests_take_to_reach_the_queue_counts_in_what_is_admitted() -> None:
     """Requests that take 150 ms from admission to the queue (a slow upload, a busy event loop),
     10 ms of engine time each, a 200 ms deadline: only what the engine can still run in the 50 ms
