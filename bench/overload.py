@@ -7,7 +7,9 @@ against one `bentoml serve` of the manifest's models:
 2. knee: a closed-loop sweep (loadtest) → the best throughput with p99 within the SLO;
 3. flood: `--factor` × the knee's concurrency for `--flood-s` seconds → goodput (200s per
    second, and those on time, within the SLO: a late answer is of no use to a client that gave
-   up on it), the accepted requests' p99 against the SLO, the refusals' p99 and their statuses;
+   up on it), the accepted requests' p99 against the SLO, the refusals' p99 and their statuses,
+   and apart the p99 of the refusals answered at once (not held for an early retry: their
+   `Server-Timing` has no `held` step);
 4. recovery: from the moment the flood stops, concurrency 1 again; p99 per half second, and the
    time from which it stays within 1.5 × the unloaded p99.
 
