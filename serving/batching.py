@@ -37,6 +37,7 @@ engine's time and leaves the cores to the requests' own parsing and tokenizing.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import threading
 import time
@@ -114,6 +115,7 @@ class _Speed:
     (RELIABILITY.md)."""
 
     batches: dict[int, tuple[float, float]] = field(default_factory=dict)  # size → (cost, seconds)
+    points: list[tuple[float, float]] = field(default_factory=list)  # `batches`' values by cost
     backlog_batch_cost: float | None = None  # batches taken from a queue they did not empty
     cost_per_row: float | None = None
     preparation_seconds: float | None = None  # from admission to the queue
@@ -123,6 +125,7 @@ class _Speed:
         size = cost.bit_length()
         known_cost, known_seconds = self.batches.get(size, (None, None))
         self.batches[size] = (_smooth(known_cost, cost), _smooth(known_seconds, seconds))
+        self.points = sorted(self.batches.values())  # sizes' ranges do not overlap: in size order
 
     def observe_backlog_batch(self, cost: int) -> None:
         """A batch that left requests waiting: its size is what the caps and the deadlines allow a
@@ -132,15 +135,14 @@ class _Speed:
     def batch_seconds(self, cost: float) -> float:
         """The engine time of one batch of `cost` units: interpolated between the nearest sizes
         measured, at the nearest size's speed beyond them; 0 before any batch ran."""
-        if not self.batches:
+        points = self.points
+        if not points:
             return 0.0
-        points = sorted(self.batches.values())
-        below = [point for point in points if point[0] <= cost]
-        above = [point for point in points if point[0] > cost]
-        if not below or not above:
-            known_cost, known_seconds = below[-1] if below else above[0]
+        above = bisect.bisect_right(points, (cost, math.inf))
+        if above in (0, len(points)):
+            known_cost, known_seconds = points[min(above, len(points) - 1)]
             return cost * known_seconds / known_cost
-        (low_cost, low_seconds), (high_cost, high_seconds) = below[-1], above[0]
+        (low_cost, low_seconds), (high_cost, high_seconds) = points[above - 1], points[above]
         return low_seconds + (cost - low_cost) * (high_seconds - low_seconds) / (high_cost - low_cost)
 
     def engine_seconds(self, cost: float, batch_cost: float) -> float:
