@@ -39,6 +39,7 @@ from serving.schemas import (
     EmbedResponse,
 )
 from serving.settings import front_workers
+from serving.timeouts import install as install_request_timeout
 from serving.tracing import RequestTracing, bentoml_tracing
 
 
@@ -160,7 +161,9 @@ for _name, _route in routes.items():
     for _operation in api.OPERATIONS[kinds[_name]]:
         setattr(Optiserve, *model_endpoint(_name, _route.recipe, _operation))
 
-# BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG).
+# BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG), its
+# traffic timeout by serving/timeouts.py's, which leaves no timer behind each request.
+install_request_timeout()
 Optiserve = bentoml.service(
     name="optiserve",
     workers=front_workers(),
