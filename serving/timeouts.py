@@ -43,7 +43,8 @@ class RequestTimeout:
             nonlocal answering
             if not answering:
                 answering = True
-                limit.reschedule(None)
+                if not limit.expired():  # else the app answers as it is cancelled: let it
+                    limit.reschedule(None)
             await send(message)
 
         try:

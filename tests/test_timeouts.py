@@ -49,6 +49,19 @@ def test_an_answer_that_has_begun_is_never_cut() -> None:
     assert response.status_code == 200 and response.text == "answered"
 
 
+def test_an_app_that_answers_as_it_is_cancelled_gets_its_answer_out() -> None:
+    async def app(scope, receive, send) -> None:
+        try:
+            await asyncio.sleep(5.0)
+        except asyncio.CancelledError:
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": b"shutting down"})
+
+    response = asyncio.run(get(RequestTimeout(app, timeout=0.05)))
+
+    assert response.status_code == 503 and response.text == "shutting down"
+
+
 def test_the_apps_own_timeout_error_is_not_taken_for_the_services() -> None:
     async def app(scope, receive, send) -> None:
         raise TimeoutError("the app's own")
