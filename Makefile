@@ -99,10 +99,11 @@ clean:
 # make container                  image optiserve:latest on the local base image, with podman
 # make container BASE_IMAGE=python:3.11-slim BACKEND=docker      the usual base, Docker + registry
 # make container GPU=1            bentofile.gpu.yaml: CUDA base, onnxruntime-gpu + TensorRT (unverified)
-# Without MANIFEST, the served recipes are built first and their serving-manifest.json is used; MANIFEST=path
-# uses that manifest as it is (models imported from another machine; the tests' own store).
+# Without MANIFEST, the served recipes are built first and the manifest they write is used
+# ($OPTISERVE_MANIFEST, else serving-manifest.json); MANIFEST=path uses that manifest as it is
+# (models imported from another machine; the tests' own store).
 MANIFEST ?=
-BENTO_MANIFEST := $(or $(MANIFEST),serving-manifest.json)
+BENTO_MANIFEST := $(or $(MANIFEST),$(OPTISERVE_MANIFEST),serving-manifest.json)
 GPU ?=
 BACKEND ?= podman
 BASE_IMAGE ?=

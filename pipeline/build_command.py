@@ -17,7 +17,7 @@ from pipeline.profile import Batching
 from pipeline.quiet import third_party_quiet
 from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
 from pipeline.report import write_report
-from serving.manifest import DEFAULT_ENDPOINTS, DEFAULT_MANIFEST, ManifestError, update_manifest
+from serving.manifest import DEFAULT_ENDPOINTS, ManifestError, manifest_path, update_manifest
 
 console = Console(stderr=True, width=160)
 
@@ -25,7 +25,12 @@ console = Console(stderr=True, width=160)
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     parser.add_argument("recipes", nargs="+", type=Path, help="recipe files (models/*.yaml)")
-    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST, help="serving manifest to write")
+    parser.add_argument(
+        "--manifest",
+        type=Path,
+        default=manifest_path(),
+        help="manifest to write (default: what `bentoml serve` reads, $OPTISERVE_MANIFEST or ./serving-manifest.json)",
+    )
     parser.add_argument("--reports", type=Path, default=Path("reports"), help="where report.md and plots go")
     parser.add_argument("--force", action="store_true", help="rebuild even when the store has this recipe")
     return parser.parse_args(argv)

@@ -5,6 +5,7 @@ The slow tests/test_container.py builds and runs the real thing.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -136,3 +137,12 @@ def test_default_manifest_is_rebuilt_by_the_pipeline_first() -> None:
     cmd = ["make", "-n", "-C", str(REPO), "-o", str(venv / ".installed"), f"VENV={venv}", "bento"]
     commands = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
     assert "-m pipeline" in commands
+
+
+def test_the_bento_takes_the_manifest_the_pipeline_wrote_where_optiserve_manifest_points(tmp_path: Path) -> None:
+    venv = Path(sys.prefix)
+    cmd = ["make", "-n", "-C", str(REPO), "-o", str(venv / ".installed"), f"VENV={venv}", "bento"]
+    elsewhere = tmp_path / "elsewhere.json"
+    env = {**os.environ, "OPTISERVE_MANIFEST": str(elsewhere)}
+    commands = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True, env=env).stdout
+    assert "-m pipeline" in commands and f'cp "{elsewhere}" ' in commands

@@ -93,3 +93,12 @@ def test_a_stored_spec_without_its_tasks_input_is_refused_when_read() -> None:
 
     with pytest.raises(ValidationError, match="a text-embedding model's spec needs its 'text' input"):
         read_spec({"optiserve": {"task": "text-embedding", "input_names": ["input_ids"], "output_names": ["e"]}})
+
+
+def test_the_pipeline_writes_the_manifest_the_server_reads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pipeline.build_command import parse_args
+
+    monkeypatch.setenv("OPTISERVE_MANIFEST", str(tmp_path / "elsewhere.json"))
+    assert parse_args(["models/digits-classifier.yaml"]).manifest == tmp_path / "elsewhere.json"
+    monkeypatch.delenv("OPTISERVE_MANIFEST")
+    assert parse_args(["models/digits-classifier.yaml"]).manifest.name == "serving-manifest.json"
