@@ -8,8 +8,10 @@ against one `bentoml serve` of the manifest's models:
 3. flood: `--factor` × the knee's concurrency for `--flood-s` seconds → goodput (200s per
    second, and those on time, within the SLO: a late answer is of no use to a client that gave
    up on it), the accepted requests' p99 against the SLO, the refusals' p99 and their statuses,
-   and apart the p99 of the refusals answered at once (not held for an early retry: their
-   `Server-Timing` has no `held` step);
+   and apart those answered at once (not held for an early retry: their `Server-Timing` has no
+   `held` step), in two kinds: refused on admission (at the door or in the handler, before any
+   work), with the server's own time for them (their `Server-Timing` `total`) beside the
+   client's, and admitted but refused as `expired` when the queue ran slower than estimated;
 4. recovery: from the moment the flood stops, concurrency 1 again; p99 per half second, and the
    time from which it stays within 1.5 × the unloaded p99.
 
@@ -44,6 +46,7 @@ BUCKET_S = 0.5
 RECOVERED_WITHIN = 1.5  # × the unloaded p99
 RSS_SAMPLE_S = 1.0
 REFUSALS = ("429", "503")
+EXPIRED = "expired"  # the error type of a request admitted, then refused when its deadline passed in the queue
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -86,6 +89,11 @@ class FloodResult:
     accepted_p99_ms: float | None
     refused_p99_ms: float | None  # 429 and 503 answers
     refused_at_once_p99_ms: float | None  # those the server did not hold for an early retry
+    refused_on_admission: int  # of those, refused before any work was spent on them
+    refused_on_admission_p99_ms: float | None
+    refused_on_admission_server_p99_ms: float | None  # the server's own time for them
+    expired: int  # admitted, then refused when the queue ran slower than estimated
+    expired_p99_ms: float | None
     recovery_p99_ms: list[float | None]  # per BUCKET_S from the flood's end
     recovered_after_s: float | None  # start of the first bucket from which p99 stays within bound
     rss_mib: list[tuple[float, float]]  # (seconds from the flood's start, workers' MiB), from before it
@@ -196,9 +204,11 @@ def summarize_flood(
 
     from loadtest.stats import latency_ms
 
-    accepted = latency_ms([o.latency for o in flooded if o.ok])
-    refused = latency_ms([o.latency for o in flooded if o.status in REFUSALS])
-    at_once = latency_ms([o.latency for o in flooded if o.status in REFUSALS and not o.held])
+    refused = [o for o in flooded if o.status in REFUSALS]
+    at_once = [o for o in refused if not o.held]
+    on_admission = [o for o in at_once if o.refusal != EXPIRED]
+    expired = [o.latency for o in at_once if o.refusal == EXPIRED]
+    in_server = [o.server_ms / 1000 for o in on_admission if o.server_ms is not None]  # seconds, as latencies
     last = max((o.finished - stopped for o in probed), default=0.0)
     buckets: list[list[float]] = [[] for _ in range(int(last / BUCKET_S) + 1)]
     for outcome in probed:
@@ -210,13 +220,25 @@ def summarize_flood(
         goodput=sum(o.ok for o in flooded) / seconds,
         on_time=sum(o.ok and o.latency * 1000 <= deadline_ms for o in flooded) / seconds,
         statuses=dict(sorted(Counter(o.status for o in flooded).items())),
-        accepted_p99_ms=accepted.p99 if accepted else None,
-        refused_p99_ms=refused.p99 if refused else None,
-        refused_at_once_p99_ms=at_once.p99 if at_once else None,
+        accepted_p99_ms=p99_ms([o.latency for o in flooded if o.ok]),
+        refused_p99_ms=p99_ms([o.latency for o in refused]),
+        refused_at_once_p99_ms=p99_ms([o.latency for o in at_once]),
+        refused_on_admission=len(on_admission),
+        refused_on_admission_p99_ms=p99_ms([o.latency for o in on_admission]),
+        refused_on_admission_server_p99_ms=p99_ms(in_server),
+        expired=len(expired),
+        expired_p99_ms=p99_ms(expired),
         recovery_p99_ms=[latency_ms(b).p99 if b else None for b in buckets],
         recovered_after_s=recovered_after(buckets, bound_ms),
         rss_mib=rss,
     )
+
+
+def p99_ms(latencies: list[float]) -> float | None:
+    from loadtest.stats import latency_ms
+
+    figures = latency_ms(latencies)
+    return figures.p99 if figures else None
 
 
 def recovered_after(buckets: list[list[float]], bound_ms: float) -> float | None:
@@ -255,6 +277,12 @@ def verdicts(knee_throughput: float, unloaded_p99_ms: float, slo_ms: float, floo
             "value": flood.refused_at_once_p99_ms,
             "target": "<= 5, the refusals not held for coming back before their Retry-After (a reading)",
             "met": flood.refused_at_once_p99_ms is None or flood.refused_at_once_p99_ms <= 5,
+            "on_admission": {
+                "count": flood.refused_on_admission,
+                "p99_ms": flood.refused_on_admission_p99_ms,
+                "in_server_p99_ms": flood.refused_on_admission_server_p99_ms,
+            },
+            "expired": {"count": flood.expired, "p99_ms": flood.expired_p99_ms},
         },
         "accepted_p99_vs_slo_ms": {
             "value": flood.accepted_p99_ms,
@@ -344,7 +372,7 @@ def print_summary(results: dict[str, Any]) -> None:
         "flood conc.",
         "goodput req/s (on time)",
         "accepted p99 ms (SLO)",
-        "refused p99 ms (at once)",
+        "refused p99 ms: all (at once: on admission, in server; expired)",
         "statuses",
         "refused by reason (held)",
         "recovered after s",
@@ -359,7 +387,7 @@ def print_summary(results: dict[str, Any]) -> None:
             str(flood["concurrency"]),
             f"{flood['goodput']:.1f} ({flood['on_time']:.1f})",
             f"{number_text(flood['accepted_p99_ms'])} ({r['slo_ms']:g})",
-            f"{number_text(flood['refused_p99_ms'])} ({number_text(flood['refused_at_once_p99_ms'])})",
+            refusals_text(flood),
             " ".join(f"{k}:{v}" for k, v in flood["statuses"].items()),
             reasons_text(flood["refused_by_reason"], flood["refusals_held"]),
             number_text(flood["recovered_after_s"]),
@@ -370,6 +398,16 @@ def print_summary(results: dict[str, Any]) -> None:
     for model, r in results["models"].items():
         for name, verdict in r["targets"].items():
             console.print(f"{model}: {name}: {verdict_text(verdict)}")
+
+
+def refusals_text(flood: dict[str, Any]) -> str:
+    from bench.serving import number_text
+
+    on_admission, in_server = flood["refused_on_admission_p99_ms"], flood["refused_on_admission_server_p99_ms"]
+    return (
+        f"{number_text(flood['refused_p99_ms'])} ({number_text(on_admission)}, {number_text(in_server, '.2f')};"
+        f" {number_text(flood['expired_p99_ms'])})"
+    )
 
 
 def reasons_text(by_reason: dict[str, float], held: float) -> str:

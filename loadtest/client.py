@@ -10,6 +10,7 @@ objects). Run it on uvloop (`uvloop.run`), the loop uvicorn serves with.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import ssl
 import time
@@ -26,13 +27,36 @@ KEEPALIVE_S = 4.0
 # The Server-Timing step of a refusal the server held because its client came back before its
 # last Retry-After (optiserve's door): such a refusal is slow by design, not for want of capacity.
 HELD_TIMING = re.compile(rb"(?:^|,)\s*held;")
+# The server's own time for the request, from its first middleware to the answer (optiserve's `total`).
+TOTAL_TIMING = re.compile(rb"(?:^|,)\s*total;dur=([0-9.]+)")
 
 
 class Response(NamedTuple):
     status: int
     body: bytes
     retry_after: str | None = None  # the one header a load test acts on: when a refused client may return
-    held: bool = False  # the server held it before answering (a `held` step in its Server-Timing)
+    server_timing: bytes = b""  # read only when asked: a load test needs it for refusals alone
+
+    @property
+    def held(self) -> bool:
+        """The server held it before answering (a `held` step in its Server-Timing)."""
+        return HELD_TIMING.search(self.server_timing) is not None
+
+    @property
+    def server_ms(self) -> float | None:
+        """The server's own milliseconds for it, where its Server-Timing says (a `total` step)."""
+        total = TOTAL_TIMING.search(self.server_timing)
+        return float(total[1]) if total else None
+
+    @property
+    def error_type(self) -> str | None:
+        """The `type` of an error body in optiserve's schema (`{"error": ..., "type": ...}`), if it is one."""
+        try:
+            body = json.loads(self.body)
+        except ValueError:
+            return None
+        kind = body.get("type") if isinstance(body, dict) else None
+        return kind if isinstance(kind, str) else None
 
 
 class ServerDisconnected(ConnectionError):
@@ -67,7 +91,7 @@ class Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[Response] | None = None
         self.body: list[bytes] = []
         self.retry_after: str | None = None
-        self.held = False
+        self.server_timing = b""
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -88,7 +112,7 @@ class Connection(asyncio.Protocol):
         if len(name) == 11 and name.lower() == b"retry-after":
             self.retry_after = value.decode("latin-1")
         elif len(name) == 13 and name.lower() == b"server-timing":
-            self.held = HELD_TIMING.search(value) is not None
+            self.server_timing = value
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -97,7 +121,8 @@ class Connection(asyncio.Protocol):
         if not self.parser.should_keep_alive():
             self.close()
         if self.waiter is not None and not self.waiter.done():
-            response = Response(self.parser.get_status_code(), b"".join(self.body), self.retry_after, self.held)
+            status = self.parser.get_status_code()
+            response = Response(status, b"".join(self.body), self.retry_after, self.server_timing)
             self.waiter.set_result(response)
 
     def fail(self, exc: BaseException) -> None:
@@ -118,7 +143,7 @@ class Connection(asyncio.Protocol):
         if self.transport is None:
             raise RuntimeError("request on a connection that was never made: open it with connect()")
         loop = asyncio.get_running_loop()
-        self.waiter, self.body, self.retry_after, self.held = loop.create_future(), [], None, False
+        self.waiter, self.body, self.retry_after, self.server_timing = loop.create_future(), [], None, b""
         timer = loop.call_later(timeout, self.fail, TimeoutError())
         self.transport.write(data)
         try:

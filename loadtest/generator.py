@@ -38,18 +38,21 @@ def post_requests(url: str, payloads: Sequence[Payload], headers: Mapping[str, s
 async def send(pool: Pool, request: Request, recorder: Recorder, since: float) -> float | None:
     """One request; latency runs from `since` (the send time, or the scheduled arrival in open loop).
     Returns the seconds a refusal (429, 503) asked the client to wait, if it was one."""
-    wait, held = None, False
+    wait, held, refusal, server_ms = None, False, None, None
     try:
         response = await pool.request(request.data)
         status = str(response.status)
         if response.status in REFUSALS:
             wait, held = retry_after_s(response.retry_after), response.held
+            refusal, server_ms = response.error_type, response.server_ms
     except TimeoutError:
         status = "timeout"
     except (OSError, httptools.HttpParserError) as exc:
         status = type(exc).__name__
     finished = time.perf_counter()
-    recorder.add(Outcome(finished=finished, latency=finished - since, status=status, rows=request.rows, held=held))
+    latency = finished - since
+    outcome = Outcome(finished, latency, status, request.rows, held=held, refusal=refusal, server_ms=server_ms)
+    recorder.add(outcome)
     return wait
 
 

@@ -197,14 +197,15 @@ def test_a_client_honouring_retry_after_waits_before_its_next_request(tiny_serve
         assert set(ids) == {None}
 
 
-def test_a_refusal_the_server_held_is_told_from_one_answered_at_once(tiny_server) -> None:
-    """The door names a refusal it held `held` in Server-Timing; nothing else counts as held."""
+def test_a_refusal_is_recorded_with_what_the_server_says_of_it(tiny_server) -> None:
+    """Held or not (the door names a refusal it held `held` in Server-Timing), its error type, and
+    the server's own time for it (`total`); an answer that is no refusal is not read for them."""
     url = tiny_server.url + "/refuse"
     answers = [
-        directives(status=503, retry_after="1", server_timing="total;dur=0.2"),
+        directives(status=503, retry_after="1", server_timing="total;dur=0.2", type="overloaded"),
         directives(status=503, retry_after="1", server_timing="held;dur=880.00, total;dur=880.31"),
-        directives(status=429, retry_after="1", server_timing="total;dur=1.0, unheld;dur=2"),
-        directives(status=200, server_timing="held;dur=1"),
+        directives(status=429, retry_after="1", server_timing="unheld;dur=2, total;dur=1.0", type="expired"),
+        directives(status=200, server_timing="held;dur=1, total;dur=3", type="overloaded"),
     ]
     recorder = Recorder()
 
@@ -217,6 +218,8 @@ def test_a_refusal_the_server_held_is_told_from_one_answered_at_once(tiny_server
     uvloop.run(load())
 
     assert [o.held for o in recorder.outcomes] == [False, True, False, False]
+    assert [o.refusal for o in recorder.outcomes] == ["overloaded", None, "expired", None]
+    assert [o.server_ms for o in recorder.outcomes] == [0.2, 880.31, 1.0, None]
 
 
 def test_failures_are_counted_by_name() -> None:
