@@ -38,8 +38,7 @@ from serving.schemas import (
     EmbedRequest,
     EmbedResponse,
 )
-from serving.settings import front_workers
-from serving.timeouts import install as install_request_timeout
+from serving.settings import front_workers, traffic_timeout_s
 from serving.tracing import RequestTracing, bentoml_tracing
 
 
@@ -161,13 +160,11 @@ for _name, _route in routes.items():
     for _operation in api.OPERATIONS[kinds[_name]]:
         setattr(Optiserve, *model_endpoint(_name, _route.recipe, _operation))
 
-# BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG), its
-# traffic timeout by serving/timeouts.py's, which leaves no timer behind each request.
-install_request_timeout()
+# BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG).
 Optiserve = bentoml.service(
     name="optiserve",
     workers=front_workers(),
-    traffic={"timeout": 120},
+    traffic={"timeout": traffic_timeout_s(max(r.max_latency_ms for r in routes.values()) / 1000, reads_bodies=True)},
     logging={"access": {"enabled": False}},
     tracing=bentoml_tracing("optiserve"),
 )(Optiserve)

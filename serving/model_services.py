@@ -21,9 +21,8 @@ from serving.metrics import ModelMetrics
 from serving.model_calls import MODEL_CONNECTIONS
 from serving.model_runtime import load_runtime, read_spec
 from serving.model_spec import Task
-from serving.settings import model_placement
+from serving.settings import model_placement, traffic_timeout_s
 
-MODEL_SERVICE = {"workers": 1, "traffic": {"timeout": 120}, "runner_connection": MODEL_CONNECTIONS}
 # Each task's rows as its model service's `predict` declares them: decoded images, or token ids.
 ROWS: dict[Task, tuple[str, Any]] = {
     "image-classification": ("images", np.ndarray),
@@ -65,4 +64,5 @@ def model_service(name: str, endpoint: str, route: Route | None) -> bentoml.Serv
     )(ModelService.predict)
     stored = bentoml.models.BentoModel(route.tag)
     inner = type(name, (ModelService,), {"endpoint": endpoint, "route": route, "stored": stored, "predict": predict})
-    return bentoml.service(name=name, **MODEL_SERVICE)(inner)
+    traffic = {"timeout": traffic_timeout_s(route.max_latency_ms / 1000, reads_bodies=False)}
+    return bentoml.service(name=name, workers=1, traffic=traffic, runner_connection=MODEL_CONNECTIONS)(inner)

@@ -52,6 +52,20 @@ def body_timeout_s() -> float:
     return float(os.environ.get("OPTISERVE_BODY_TIMEOUT_S", "30"))
 
 
+# BentoML answers 504 to a request not answered within its service's `traffic.timeout`, and
+# BentoML 1.4.40 keeps a timer alive that long after every request, answered or not (RELIABILITY.md):
+# at 120 s and 2 000 requests a second, 240 000 of them. So the timeout is as long as the slowest
+# request the service admits may need, and no longer: its body's time, its deadline, and this, for one
+# too large for its deadline that runs anyway on an idle engine (serving/batching.py).
+OVERRUN_S = 15.0
+
+
+def traffic_timeout_s(deadline_s: float, *, reads_bodies: bool) -> float:
+    """The `traffic.timeout` of a service whose longest deadline is `deadline_s`; `reads_bodies`:
+    its requests' bodies arrive through it (the front), so their `body_timeout_s` counts too."""
+    return (body_timeout_s() if reads_bodies else 0.0) + deadline_s + OVERRUN_S
+
+
 def hold_early_retries() -> bool:
     """Whether a refusal of a connection that comes back before its last Retry-After is held
     until then (serving/door.py). A refusal still crosses BentoML's outer middleware, and a

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from serving.engine import default_intra_op_threads
-from serving.settings import model_placement
+from serving.settings import OVERRUN_S, model_placement, traffic_timeout_s
 
 
 def test_models_run_in_process_unless_told_otherwise(monkeypatch) -> None:
@@ -31,3 +31,12 @@ def test_workers_holding_sessions_share_the_cpus(monkeypatch) -> None:
     assert default_intra_op_threads(processes=4 * cpus) == 1  # never zero
     monkeypatch.setenv("OPTISERVE_ORT_THREADS", "3")
     assert default_intra_op_threads(processes=2) == 3  # an explicit setting wins
+
+
+def test_the_traffic_timeout_covers_the_slowest_admitted_request_and_no_more(monkeypatch) -> None:
+    """BentoML keeps a timer per request for as long as the timeout: no longer than needed."""
+    monkeypatch.setenv("OPTISERVE_BODY_TIMEOUT_S", "30")
+    assert traffic_timeout_s(1.0, reads_bodies=True) == 30 + 1 + OVERRUN_S < 120
+    assert traffic_timeout_s(1.0, reads_bodies=False) == 1 + OVERRUN_S, "a model service reads no client's body"
+    monkeypatch.setenv("OPTISERVE_BODY_TIMEOUT_S", "90")
+    assert traffic_timeout_s(0.2, reads_bodies=True) == 90 + 0.2 + OVERRUN_S, "a slow upload is still answered 408"
