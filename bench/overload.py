@@ -202,8 +202,6 @@ def summarize_flood(
     """Flood figures from the requests that finished while it lasted; recovery per half second."""
     from collections import Counter
 
-    from loadtest.stats import latency_ms
-
     refused = [o for o in flooded if o.status in REFUSALS]
     at_once = [o for o in refused if not o.held]
     on_admission = [o for o in at_once if o.refusal != EXPIRED]
@@ -228,7 +226,7 @@ def summarize_flood(
         refused_on_admission_server_p99_ms=p99_ms(in_server),
         expired=len(expired),
         expired_p99_ms=p99_ms(expired),
-        recovery_p99_ms=[latency_ms(b).p99 if b else None for b in buckets],
+        recovery_p99_ms=[p99_ms(b) for b in buckets],
         recovered_after_s=recovered_after(buckets, bound_ms),
         rss_mib=rss,
     )

@@ -263,8 +263,9 @@ class Batcher(Generic[Rows]):
         # requests, so with none in preparation it is a figure from a past crowd, which would
         # otherwise refuse everything it no longer gets to measure.
         preparing = (self._speed.preparation_seconds or 0.0) if queue.reserved_rows else 0.0
-        queued = self._queued_engine_seconds(queue.queued_cost)
-        behind = self._queued_engine_seconds(queue.queued_cost + queue.reserved_cost + own_cost) - queued
+        batch_cost = self._backlog_batch_cost()
+        queued = self._speed.engine_seconds(queue.queued_cost, batch_cost)
+        behind = self._speed.engine_seconds(queue.queued_cost + queue.reserved_cost + own_cost, batch_cost) - queued
         late = max(preparing, self._running_left(now) + queued) + behind + self._returning() - budget_left
         if late <= 0:
             return None, now + budget_left
