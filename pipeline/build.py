@@ -32,7 +32,7 @@ from serving.model_spec import ONNX_FILE, SPEC_KEY, TEACHER_FILE, ModelSpec
 from serving.monitoring import MONITORING_KEY
 
 # Bump when export or registration changes what an unchanged recipe produces.
-EXPORT_REVISION = "3"
+EXPORT_REVISION = "4"
 Step = Callable[[str], None]
 EAGER = "pytorch-eager"
 
