@@ -35,7 +35,7 @@ class Response(NamedTuple):
     status: int
     body: bytes
     retry_after: str | None = None  # the one header a load test acts on: when a refused client may return
-    server_timing: bytes = b""  # read only when asked: a load test needs it for refusals alone
+    server_timing: bytes = b""  # read only when asked: the server's own time and whether it held a refusal
 
     @property
     def held(self) -> bool:

@@ -41,10 +41,10 @@ async def send(pool: Pool, request: Request, recorder: Recorder, since: float) -
     wait, held, refusal, server_ms = None, False, None, None
     try:
         response = await pool.request(request.data)
-        status = str(response.status)
+        status, server_ms = str(response.status), response.server_ms
         if response.status in REFUSALS:
             wait, held = retry_after_s(response.retry_after), response.held
-            refusal, server_ms = response.error_type, response.server_ms
+            refusal = response.error_type
     except TimeoutError:
         status = "timeout"
     except (OSError, httptools.HttpParserError) as exc:

@@ -25,7 +25,7 @@ class Outcome:
     rows: int = 1
     held: bool = False  # a refusal the server held for coming back before its Retry-After
     refusal: str | None = None  # a refusal's error type (optiserve's: "overloaded", "expired", …)
-    server_ms: float | None = None  # a refusal's time in the server, where its Server-Timing says
+    server_ms: float | None = None  # its time in the server, where its Server-Timing says
 
     @property
     def ok(self) -> bool:

@@ -17,7 +17,7 @@ def test_recovery_starts_at_the_first_bucket_from_which_the_pooled_p99_stays_wit
 
 def test_flood_figures_count_goodput_per_second_and_refusals_apart_from_accepted() -> None:
     started, stopped = 100.0, 110.0
-    flooded = [Outcome(finished=100.0 + i / 10, latency=0.2, status="200") for i in range(50)]
+    flooded = [Outcome(finished=100.0 + i / 10, latency=0.2, status="200", server_ms=150.0) for i in range(50)]
     flooded += [Outcome(finished=105.0, latency=0.002, status="503", refusal="overloaded", server_ms=0.1)] * 97
     flooded += [Outcome(finished=105.0, latency=0.002, status="429", refusal="queue_full", server_ms=0.3)]
     flooded += [Outcome(finished=105.0, latency=0.25, status="503", refusal="expired", server_ms=220.0)] * 2
@@ -32,6 +32,7 @@ def test_flood_figures_count_goodput_per_second_and_refusals_apart_from_accepted
     assert flood.goodput == 5.0 and flood.on_time == 5.0
     assert flood.statuses == {"200": 50, "429": 2, "503": 99}
     assert flood.accepted_p99_ms == 200.0 and flood.refused_p99_ms == 250.0
+    assert flood.accepted_server_p99_ms == 150.0, "the server's own time for the answers"
     assert flood.refused_at_once_p99_ms == 250.0, "the refusal held for an early retry apart"
     assert (flood.refused_on_admission, flood.refused_on_admission_p99_ms) == (98, 2.0)
     assert flood.refused_on_admission_server_p99_ms == 0.3, "the server's own time for them"
