@@ -203,6 +203,42 @@ def test_a_burst_after_a_lull_is_judged_at_the_speed_of_the_full_batches_it_will
     assert max(model.batches[6:]) == 16
 
 
+class UnevenModel:
+    """Batches of one size whose engine time varies: these seconds in turn."""
+
+    def __init__(self, seconds: list[float]) -> None:
+        self.seconds, self.calls = seconds, 0
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        time.sleep(self.seconds[self.calls % len(self.seconds)])
+        self.calls += 1
+        return np.asarray(rows, dtype=np.float32)
+
+
+def test_a_deadline_is_judged_by_a_batchs_slow_side_not_its_mean() -> None:
+    """Two engines averaging 37.5 ms a batch; one runs every fourth batch 7 × slower. A 100 ms
+    deadline the mean would promise is refused on the uneven engine and admitted on the even one:
+    on the uneven one, a request let in on the mean would be late whenever its batch is a slow one."""
+
+    def after_twelve_batches(model) -> Exception | None:
+        batcher = make_batcher(model, endpoint=f"uneven-{len(model.seconds)}")
+
+        async def learn_then_ask() -> Exception | None:
+            for _ in range(12):
+                await submit(batcher, np.ones((1, 1)))
+            try:
+                await submit(batcher, np.ones((1, 1)), timeout_ms=100)
+            except DeadlineUnmet as exc:
+                return exc
+            return None
+
+        return asyncio.run(learn_then_ask())
+
+    assert after_twelve_batches(UnevenModel([0.0375])) is None
+    refusal = after_twelve_batches(UnevenModel([0.015, 0.015, 0.015, 0.105]))
+    assert isinstance(refusal, DeadlineUnmet) and "within 100 ms" in str(refusal)
+
+
 def test_the_time_requests_take_to_reach_the_queue_counts_in_what_is_admitted() -> None:
     """Requests that take 150 ms from admission to the queue (a slow upload, a busy event loop),
     10 ms of engine time each, a 200 ms deadline: only what the engine can still run in the 50 ms
