@@ -146,7 +146,7 @@ class _Speed:
         measured, at the nearest size's speed beyond them; 0 before any batch ran. `late`: its slow
         side, the mean plus LATE_SPREADS spreads, for whether a deadline holds: under a flood the
         engine shares the cores with the event loop, and MiniLM's batches ran 60 ms at the median
-        and 150 ms at p99: judged on the mean, 6–7 % of the requests let in with a 200 ms deadline
+        and 150 ms at p99: judged on the mean, 6–9 % of the requests let in with a 200 ms deadline
         were answered after it by the server's own clock; at 4 spreads, 1 % (RELIABILITY.md)."""
         points = self.points
         if not points:
