@@ -203,6 +203,7 @@ def summarize_flood(
     """Flood figures from the requests that finished while it lasted; recovery per half second."""
     from collections import Counter
 
+    accepted = [o for o in flooded if o.ok]
     refused = [o for o in flooded if o.status in REFUSALS]
     at_once = [o for o in refused if not o.held]
     on_admission = [o for o in at_once if o.refusal != EXPIRED]
@@ -216,11 +217,11 @@ def summarize_flood(
     return FloodResult(
         concurrency=concurrency,
         seconds=seconds,
-        goodput=sum(o.ok for o in flooded) / seconds,
-        on_time=sum(o.ok and o.latency * 1000 <= deadline_ms for o in flooded) / seconds,
+        goodput=len(accepted) / seconds,
+        on_time=sum(o.latency * 1000 <= deadline_ms for o in accepted) / seconds,
         statuses=dict(sorted(Counter(o.status for o in flooded).items())),
-        accepted_p99_ms=p99_ms([o.latency for o in flooded if o.ok]),
-        accepted_server_p99_ms=p99_ms([o.server_ms / 1000 for o in flooded if o.ok and o.server_ms is not None]),
+        accepted_p99_ms=p99_ms([o.latency for o in accepted]),
+        accepted_server_p99_ms=p99_ms([o.server_ms / 1000 for o in accepted if o.server_ms is not None]),
         refused_p99_ms=p99_ms([o.latency for o in refused]),
         refused_at_once_p99_ms=p99_ms([o.latency for o in at_once]),
         refused_on_admission=len(on_admission),

@@ -144,23 +144,29 @@ class _Speed:
     def batch_seconds(self, cost: float, *, late: bool = False) -> float:
         """The engine time of one batch of `cost` units: interpolated between the nearest sizes
         measured, at the nearest size's speed beyond them; 0 before any batch ran. `late`: its slow
-        side, the mean plus LATE_SPREADS spreads, for whether a deadline holds: under a flood the
-        engine shares the cores with the event loop, and MiniLM's batches ran 60 ms at the median
-        and 150 ms at p99: judged on the mean, 6–9 % of the requests let in with a 200 ms deadline
-        were answered after it by the server's own clock; at 4 spreads, 1 % (RELIABILITY.md)."""
+        side, plus `slow_margin`."""
+        return self._interpolated(cost, lambda point: point[1] + LATE_SPREADS * point[2] if late else point[1])
+
+    def slow_margin(self, cost: float) -> float:
+        """How much longer than its mean a batch of `cost` units is taken to run where a deadline
+        must hold: LATE_SPREADS spreads. Under a flood the engine shares the cores with the event
+        loop, and MiniLM's batches ran 60 ms at the median and 150 ms at p99: judged on the mean,
+        6–9 % of the requests let in with a 200 ms deadline were answered after it by the server's
+        own clock; at 4 spreads, 1 % (RELIABILITY.md)."""
+        return self._interpolated(cost, lambda point: LATE_SPREADS * point[2])
+
+    def _interpolated(self, cost: float, figure: Callable[[tuple[float, float, float]], float]) -> float:
+        """A batch figure for `cost` units, linear between the nearest sizes measured and in
+        proportion to cost beyond them; 0 before any batch ran."""
         points = self.points
         if not points:
             return 0.0
-
-        def seconds(point: tuple[float, float, float]) -> float:
-            return point[1] + LATE_SPREADS * point[2] if late else point[1]
-
         above = bisect.bisect_right(points, (cost, math.inf, math.inf))
         if above in (0, len(points)):
             known = points[min(above, len(points) - 1)]
-            return cost * seconds(known) / known[0]
+            return cost * figure(known) / known[0]
         low, high = points[above - 1], points[above]
-        return seconds(low) + (cost - low[0]) * (seconds(high) - seconds(low)) / (high[0] - low[0])
+        return figure(low) + (cost - low[0]) * (figure(high) - figure(low)) / (high[0] - low[0])
 
     def engine_seconds(self, cost: float, batch_cost: float) -> float:
         """Engine time for `cost` units run in batches of at most `batch_cost`: full batches, then the rest."""
@@ -286,7 +292,7 @@ class Batcher(Generic[Rows]):
         behind = self._speed.engine_seconds(ahead, batch_cost) - queued
         # Its own batch on its slow side, as the engine thread judges it when taking it (`_take_batch`).
         own_batch = min(ahead, batch_cost)
-        slow = self._speed.batch_seconds(own_batch, late=True) - self._speed.batch_seconds(own_batch)
+        slow = self._speed.slow_margin(own_batch)
         late = max(preparing, self._running_left(now) + queued) + behind + slow + self._returning() - budget_left
         if late <= 0:
             return None, now + budget_left
