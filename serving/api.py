@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -351,11 +351,11 @@ def door_guards(routes: dict[str, Routed]) -> dict[str, Guard]:
     of the model the request would lease now (its side of the split; without an id, the alias's own)."""
 
     def guard(split: Split[ImageClassifier] | Split[TextEmbedder]) -> Guard:
-        def refusal(timeout_ms: float | None, request_id: str | None) -> Refused | None:
+        def place(timeout_ms: float | None, request_id: str | None) -> Refused | AbstractContextManager[None]:
             slot = split.slot(request_id) if request_id else split.primary
-            return slot.model.model.refusal_at_door(timeout_ms)
+            return slot.model.model.place_at_door(timeout_ms)
 
-        return refusal
+        return place
 
     return {path: guard(route.split) for route in routes.values() if route.split is not None for path in route.paths()}
 

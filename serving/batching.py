@@ -43,7 +43,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -103,6 +104,10 @@ class Admission:
     admitted: float = 0.0  # monotonic seconds
     submitted: bool = False
     low: bool = False  # low priority: its own lane, reserving nothing in the normal one
+
+
+# The place serving/door.py reserved for the request in this context, and in which batcher.
+_DOOR_PLACE: ContextVar[tuple[Batcher, Admission] | None] = ContextVar("door_place", default=None)
 
 
 @dataclass
@@ -244,6 +249,7 @@ class Batcher(Generic[Rows]):
         (see above)."""
         now = time.monotonic()
         with self._queue.lock:
+            self._take_door_place()
             own_cost = rows * (self._speed.cost_per_row or 1.0)
             judge = self._judge_low if low else self._judge
             refusal, deadline = judge(now, rows, own_cost, timeout_ms)
@@ -261,14 +267,43 @@ class Batcher(Generic[Rows]):
             if not admission.submitted:
                 self._release(admission)
 
-    def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None:
-        """The refusal even the smallest request (one row) would get now, counted; None to let the
-        request on to `admit`. Judged from the queue alone, so serving/door.py can ask before the
-        request has cost anything."""
+    def place_at_door(self, timeout_ms: float | None = None) -> Refused | AbstractContextManager[None]:
+        """The refusal even the smallest request (one row) would get now, counted; else a context
+        in which the request holds a row's place in the queue until its `admit` takes the place
+        over. Judged from the queue alone, so serving/door.py can ask before the request has cost
+        anything; the place keeps what the door saw: without it, requests let through together
+        filled the queue before their handlers ran, and those that came last were refused there,
+        past the middleware and routing the door is meant to spare them (image flood, 2 cores:
+        429s 44 ms p99 into the server, RELIABILITY.md)."""
         now = time.monotonic()
         with self._queue.lock:
-            refusal, _ = self._judge(now, 1, self._speed.cost_per_row or 1.0, timeout_ms)
-        return None if refusal is None else self._refuse(refusal)
+            cost = self._speed.cost_per_row or 1.0
+            refusal, deadline = self._judge(now, 1, cost, timeout_ms)
+            if refusal is not None:
+                return self._refuse(refusal)
+            self._queue.reserved_rows += 1
+            self._queue.reserved_cost += cost
+        return self._holding(Admission(deadline=deadline, reserved_rows=1, reserved_cost=cost, admitted=now))
+
+    @contextmanager
+    def _holding(self, place: Admission) -> Iterator[None]:
+        """The door's place, for `admit` to find in the request's context; returned at the end
+        unless `admit` took it over."""
+        token = _DOOR_PLACE.set((self, place))
+        try:
+            yield
+        finally:
+            _DOOR_PLACE.reset(token)
+            if not place.submitted:
+                self._release(place)
+
+    def _take_door_place(self) -> None:
+        """Turns the place the door reserved for this request in this queue, if it did, into the
+        request's own: judged from here with it, it would count the request twice. Caller holds the lock."""
+        held = _DOOR_PLACE.get()
+        if held is not None and held[0] is self and not held[1].submitted:
+            held[1].submitted = True
+            self._unreserve(held[1])
 
     def _judge(self, now: float, rows: int, own_cost: float, timeout_ms: float | None) -> tuple[Refused | None, float]:
         """Why a request of `rows` rows (`own_cost` in engine units) cannot be let in now, if it

@@ -4,8 +4,9 @@ Admission in the handler (serving/batching.py `admit`) protects the engine, but 
 there only after BentoML's middleware and Starlette's routing and, for /embed, its JSON. `Door`,
 the first middleware after `serving/tracing.py`'s, answers a model endpoint's request at once when the
 model's queue alone rules it out (full, or more work ahead than the deadline allows), before
-the rest of the app sees it. A request it lets through is judged again, with its own size, by
-`admit`.
+the rest of the app sees it. A request it lets through holds a row's place in the queue from
+then on, so that those let through after it count it, and is judged again, with its own size,
+by `admit`.
 
 Cheap refusals are not enough on their own. Clients that retry the instant they are refused
 (wrk, or a naive retry loop) turn every refusal into another request, so the cheaper a refusal,
@@ -44,6 +45,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from http import HTTPStatus
 from typing import Any
 
@@ -71,9 +73,10 @@ MODELS_PREFIX = "/models/"  # each model's own endpoints (service.py); an unknow
 # connection (`("connection", host, port)`, as ASGI's scope has it).
 Client = tuple[Any, ...]
 
-# The refusal a model endpoint's queue gives now (None: let the request in), for the client's
-# deadline in milliseconds and the request's id (its side of a canary split), if it sent them.
-Guard = Callable[[float | None, str | None], Refused | None]
+# The refusal a model endpoint's queue gives now, or the place it holds for the request while the
+# app serves it (serving/batching.py `place_at_door`), for the client's deadline in milliseconds
+# and the request's id (its side of a canary split), if it sent them.
+Guard = Callable[[float | None, str | None], Refused | AbstractContextManager[None]]
 
 
 class EarlyRetries:
@@ -127,14 +130,15 @@ class Door:
             await answer_json(send, HTTPStatus.NOT_FOUND, self.no_such_model(scope["path"]), closing(not drained))
             return
         guard = self.guards.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        refusal = guard(*deadline_and_id(scope)) if guard is not None else None
-        if refusal is None:
-            await self.app(scope, receive, send)
+        verdict = guard(*deadline_and_id(scope)) if guard is not None else nullcontext()
+        if not isinstance(verdict, Refused):
+            with verdict:
+                await self.app(scope, receive, send)
             return
         if self.early_retries is not None:
-            await self.early_retries.hold(scope, refusal)
+            await self.early_retries.hold(scope, verdict)
         drained = await drain(receive)
-        await refuse(send, refusal, close=not drained)
+        await refuse(send, verdict, close=not drained)
 
     def no_such_model(self, path: str) -> dict[str, str]:
         """The 404 for a path below /models/ that no served model answers, naming those that do."""

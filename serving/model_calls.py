@@ -30,7 +30,7 @@ import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
@@ -62,7 +62,7 @@ class BatchedModel(Protocol):
         self, rows: int, *, timeout_ms: float | None = None, low: bool = False
     ) -> AbstractContextManager[Admission]: ...
 
-    def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None: ...
+    def place_at_door(self, timeout_ms: float | None = None) -> Refused | AbstractContextManager[None]: ...
 
     async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray: ...
 
@@ -168,8 +168,8 @@ class RemoteModel:
         """Everything: the model service's batcher has no admission control, nor priorities."""
         yield Admission(deadline=math.inf, reserved_rows=0, reserved_cost=0.0)
 
-    def refusal_at_door(self, timeout_ms: float | None = None) -> Refused | None:
-        return None
+    def place_at_door(self, timeout_ms: float | None = None) -> Refused | AbstractContextManager[None]:
+        return nullcontext()
 
     async def run(self, rows: np.ndarray | list, admission: Admission) -> np.ndarray:
         return await self.run_bulk(rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import AbstractContextManager, nullcontext
 
 import httpx
 import numpy as np
@@ -73,8 +74,9 @@ def test_a_refused_requests_body_is_read_so_its_connection_serves_on_and_a_huge_
 def test_the_guard_is_asked_with_the_clients_deadline_and_id_and_a_malformed_deadline_is_left_to_the_handler() -> None:
     asked: list[tuple[float | None, str | None]] = []
 
-    def guard(timeout_ms: float | None, request_id: str | None) -> None:
+    def guard(timeout_ms: float | None, request_id: str | None) -> AbstractContextManager[None]:
         asked.append((timeout_ms, request_id))
+        return nullcontext()
 
     async def scenario() -> list[str]:
         client, app = door_client(guard)
@@ -168,16 +170,16 @@ def test_the_batchers_door_check_judges_the_queue_alone_and_counts_its_refusals(
 
     async def scenario() -> tuple[object, ...]:
         await submit(batcher, np.ones((1, 1)))  # the batcher learns the engine's speed
-        idle = batcher.refusal_at_door(120)
+        idle = batcher.place_at_door(120)
         running = asyncio.ensure_future(submit(batcher, np.ones((1, 1))))
         await asyncio.sleep(0.01)
-        checks = batcher.refusal_at_door(120), batcher.refusal_at_door(1000), batcher.refusal_at_door(None)
+        checks = batcher.place_at_door(120), batcher.place_at_door(1000), batcher.place_at_door(None)
         await running
         return idle, *checks
 
     idle, tight, loose, servers = asyncio.run(scenario())
 
-    assert idle is None and loose is None and servers is None
+    assert not any(isinstance(verdict, Refused) for verdict in (idle, loose, servers))
     assert isinstance(tight, DeadlineUnmet) and "within 120 ms" in tight.message
     assert sample("optiserve_refused_total", "door-check", reason="deadline") == 1
 
@@ -185,11 +187,64 @@ def test_the_batchers_door_check_judges_the_queue_alone_and_counts_its_refusals(
 def test_the_batchers_door_check_refuses_when_the_queue_is_full() -> None:
     batcher = make_batcher(RecordingModel(seconds_per_batch=0.05), endpoint="door-full", max_queue_rows=2)
 
-    async def scenario() -> Refused | None:
+    async def scenario() -> object:
         with batcher.admit(2):
-            return batcher.refusal_at_door()
+            return batcher.place_at_door()
 
     refusal = asyncio.run(scenario())
 
     assert isinstance(refusal, QueueFull) and refusal.status == 429
     assert refusal.to_json()["type"] == "queue_full"
+
+
+def test_a_request_let_through_holds_its_place_so_the_queue_fills_at_the_door_not_in_its_handler() -> None:
+    """Two requests let through together fill a two-row queue: a third is refused at the door, and
+    the two are admitted in their handlers, where without their places all three would have been."""
+    batcher = make_batcher(RecordingModel(seconds_per_batch=0.05), endpoint="door-place", max_queue_rows=2)
+    first, second = batcher.place_at_door(), batcher.place_at_door()
+    third = batcher.place_at_door()
+
+    async def handler(place) -> np.ndarray:
+        with place:
+            return await submit(batcher, np.ones((1, 1)))
+
+    async def scenario() -> list:
+        return await asyncio.gather(handler(first), handler(second))
+
+    assert isinstance(third, QueueFull)
+    assert [answer.tolist() for answer in asyncio.run(scenario())] == [[[2.0]], [[2.0]]]
+    assert not isinstance(batcher.place_at_door(), Refused), "both places were handed back"
+    assert sample("optiserve_refused_total", "door-place", reason="queue_full") == 1
+
+
+def test_a_place_its_handler_never_takes_is_handed_back_when_the_request_ends() -> None:
+    """A request answered without the model (a 4xx, a cached answer) frees its place as it ends."""
+    batcher = make_batcher(RecordingModel(), endpoint="door-unused", max_queue_rows=1)
+    place = batcher.place_at_door()
+    with place:
+        assert isinstance(batcher.place_at_door(), QueueFull)
+    assert not isinstance(batcher.place_at_door(), Refused)
+
+
+def test_the_door_holds_a_place_while_the_app_serves_the_request() -> None:
+    """Over HTTP through the door: the app, mid-request, finds the one-row queue taken by its own request."""
+    batcher = make_batcher(RecordingModel(), endpoint="door-app", max_queue_rows=1)
+    seen_inside: list[object] = []
+
+    async def app(scope, receive, send) -> None:
+        seen_inside.append(batcher.place_at_door())
+        with batcher.admit(1) as admission:
+            await batcher.run(np.ones((1, 1)), admission)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"served"})
+
+    async def scenario() -> httpx.Response:
+        door = Door(
+            app, guards={"/classify": lambda deadline, request_id: batcher.place_at_door(deadline)}, early_retries=None
+        )
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=door), base_url="http://door") as client:
+            return await client.post("/classify", content=b"x")
+
+    assert asyncio.run(scenario()).text == "served"
+    assert isinstance(seen_inside[0], QueueFull)
+    assert not isinstance(batcher.place_at_door(), Refused)
