@@ -27,6 +27,11 @@ from serving.text import padded_tokens
 Run = Callable[[int], int | None]
 Draw = Callable[[int], list]
 Sample = tuple[float, int | None]  # seconds, padded tokens
+# A build screens every variant for this share of the recipe's seconds per batch size, in
+# SCREEN_BLOCKS blocks, and times the contenders in full in FULL_BLOCKS (pipeline/build.py).
+SCREEN_SHARE = 0.25
+SCREEN_BLOCKS = 2
+FULL_BLOCKS = 4
 
 
 class ProfilePoint(BaseModel):
@@ -80,7 +85,7 @@ def profile(
     *,
     slo_ms: float,
     seconds_per_point: float = 2.0,
-    blocks: int = 4,
+    blocks: int = FULL_BLOCKS,
 ) -> dict[str, list[ProfilePoint]]:
     """Powers of two up to `max_batch_size`; a runner stops growing once one call breaks the SLO."""
     points: dict[str, list[ProfilePoint]] = {name: [] for name in runners}

@@ -63,6 +63,7 @@ class Candidate(Judged):
     reason: str = ""
     trials: list[Trial] = Field(default_factory=list)
     profile: list[ProfilePoint] = Field(default_factory=list)
+    profile_seconds: float = 0.0  # timed per batch size: the recipe's full time, or screening's share
     cascade: Cascade | None = None  # a cascade's threshold and teacher (pipeline/cascade.py)
 
 

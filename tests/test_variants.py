@@ -13,8 +13,9 @@ import pytest
 import torch
 import yaml
 
-from pipeline.build import BuildResult, build, select
+from pipeline.build import BuildResult, build, contenders, select
 from pipeline.datasets import Split
+from pipeline.profile import SCREEN_SHARE
 from pipeline.recipe import RecipeError, load_recipe
 from pipeline.tasks import TASKS
 from pipeline.variants import KINDS, VariantInputs
@@ -239,8 +240,15 @@ def test_registered_labels_and_metadata_of_variants(tiny_text: BuildResult) -> N
     assert [m.tag for m in selected] == [tiny_text.model.tag]
 
 
-def test_the_build_serves_what_the_selection_picks_from_its_own_profiles(tiny_text: BuildResult) -> None:
-    chosen = select(tiny_text.candidates, slo_ms=2000)
+def test_the_build_serves_what_the_selection_picks_from_the_profiles_timed_in_full(tiny_text: BuildResult) -> None:
+    """Every accepted variant was screened; FP32 and the contenders were timed in full and the
+    served one is selected among those."""
+    profiled = [c for c in tiny_text.candidates if c.accepted]
+    full = [c for c in profiled if c.profile_seconds == TINY_PROFILE["seconds_per_point"]]
+    screened_only = [c for c in profiled if c not in full]
+    assert full[0].variant == "fp32" and all(c.profile for c in profiled)
+    assert all(c.profile_seconds == TINY_PROFILE["seconds_per_point"] * SCREEN_SHARE for c in screened_only)
+    chosen = select(full, slo_ms=2000)
     assert chosen.accepted and tiny_text.model.info.labels["variant"] == chosen.variant
     assert 2 <= tiny_text.batching.max_batch_size <= 4
     assert 64 <= tiny_text.batching.max_batch_tokens <= tiny_text.batching.max_batch_size * 64
@@ -260,6 +268,16 @@ def test_selection_needs_a_clear_win_over_fp32_within_the_slo() -> None:
     assert select([fp32, _profiled("a", 120), _profiled("b", 150)], slo_ms=100).variant == "b"
     assert select([fp32, _profiled("b", 150, accepted=False)], slo_ms=100).variant == "fp32"
     assert select([fp32, _profiled("slow-tail", 150, p99_ms=500)], slo_ms=100).variant == "fp32"
+
+
+def test_screening_keeps_fp32_the_named_variant_and_those_near_the_best_for_timing_in_full() -> None:
+    fp32, fast, near, behind = _profiled("fp32", 100), _profiled("b", 150), _profiled("a", 120), _profiled("c", 119)
+    rejected, named = _profiled("d", 200, accepted=False), _profiled("cascade", 50)
+    candidates = [fp32, near, fast, behind, rejected, named]
+
+    assert [c.variant for c in contenders(candidates, slo_ms=100, preferred=None)] == ["fp32", "a", "b"]
+    assert [c.variant for c in contenders(candidates, slo_ms=100, preferred="cascade")] == ["fp32", "a", "b", "cascade"]
+    assert [c.variant for c in contenders([fp32, _profiled("tail", 900, p99_ms=500)], 100, None)] == ["fp32"]
 
 
 def test_rerun_reuses_every_stored_variant(tiny_text: BuildResult, tiny_text_recipe: dict, tmp_path) -> None:
