@@ -271,10 +271,9 @@ class Batcher(Generic[Rows]):
         """The refusal even the smallest request (one row) would get now, counted; else a context
         in which the request holds a row's place in the queue until its `admit` takes the place
         over. Judged from the queue alone, so serving/door.py can ask before the request has cost
-        anything; the place keeps what the door saw: without it, requests let through together
-        filled the queue before their handlers ran, and those that came last were refused there,
-        past the middleware and routing the door is meant to spare them (image flood, 2 cores:
-        429s 44 ms p99 into the server, RELIABILITY.md)."""
+        anything. The place keeps what the door saw: requests let through after this one count it
+        as ahead of them, so a one-row request the door let in is never refused as over the queue's
+        limit in its handler, and deadlines are judged with the requests on their way counted."""
         now = time.monotonic()
         with self._queue.lock:
             cost = self._speed.cost_per_row or 1.0
