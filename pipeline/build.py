@@ -304,7 +304,9 @@ def profile_candidates(
     step("profiling (screening, interleaved): " + ", ".join(runtimes) + ", PyTorch eager")
     screened = timed(list(runtimes), SCREEN_SHARE, SCREEN_BLOCKS, _eager_runner(task, graph, data))
     candidates = [
-        c.model_copy(update={"profile": screened.get(c.variant, []), "profile_seconds": seconds * SCREEN_SHARE})
+        c.model_copy(update={"profile": screened[c.variant], "profile_seconds": seconds * SCREEN_SHARE})
+        if c.variant in screened
+        else c
         for c in candidates
     ]
     candidates = [_fp16_on_cpu_only(c, candidates[0]) for c in candidates]
@@ -322,7 +324,7 @@ def profile_candidates(
 def contenders(candidates: list[Candidate], slo_ms: float, preferred: str | None) -> list[Candidate]:
     """The FP32 reference, then what screening could not rule out of serving: the recipe's
     `serving.variant`, and every accepted variant within `CONTENDER_SHARE` of the best screened
-    throughput (screening's figures, a few calls per batch size, vary by about a tenth)."""
+    throughput (screening times a few calls per batch size: the share leaves room for their noise)."""
     best = max(throughput_within_slo(c, slo_ms) for c in candidates if c.accepted)
     return [candidates[0]] + [
         c

@@ -270,6 +270,20 @@ def test_selection_needs_a_clear_win_over_fp32_within_the_slo() -> None:
     assert select([fp32, _profiled("slow-tail", 150, p99_ms=500)], slo_ms=100).variant == "fp32"
 
 
+def test_the_report_marks_the_figures_of_variants_only_screened(
+    tiny_text: BuildResult, tiny_text_recipe: dict, tmp_path
+) -> None:
+    from pipeline.report import write_report
+
+    recipe = load_recipe(write(tmp_path / "tiny-embedder.yaml", tiny_text_recipe)).recipe
+    report = write_report(recipe, tiny_text, tmp_path).read_text()
+    rows = {line.split(" | ")[0][2:]: line for line in report.splitlines()}
+    for candidate in tiny_text.candidates:
+        if candidate.profile:
+            screened = candidate.profile_seconds < TINY_PROFILE["seconds_per_point"]
+            assert ("(screened)" in rows[candidate.variant]) == screened, candidate.variant
+
+
 def test_screening_keeps_fp32_the_named_variant_and_those_near_the_best_for_timing_in_full() -> None:
     fp32, fast, near, behind = _profiled("fp32", 100), _profiled("b", 150), _profiled("a", 120), _profiled("c", 119)
     rejected, named = _profiled("d", 200, accepted=False), _profiled("cascade", 50)
