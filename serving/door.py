@@ -54,7 +54,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serving.errors import InvalidInput, Refused
 from serving.metrics import count_held_refusal
 from serving.settings import hold_early_retries
-from serving.tracing import REQUEST_ID_KEY, SANE_REQUEST_ID, timed
+from serving.tracing import READ_STEP, REQUEST_ID_KEY, SANE_REQUEST_ID, timed
 
 DEADLINE_HEADER = "X-Deadline-Ms"
 DEADLINE_HEADER_KEY = DEADLINE_HEADER.lower().encode()
@@ -137,7 +137,8 @@ class Door:
             return
         if self.early_retries is not None:
             await self.early_retries.hold(scope, verdict)
-        drained = await drain(receive)
+        with timed(READ_STEP):
+            drained = await drain(receive)
         await refuse(send, verdict, close=not drained)
 
     def no_such_model(self, path: str) -> dict[str, str]:

@@ -162,6 +162,7 @@ def test_a_hammering_connection_waits_out_its_retry_after_while_a_new_one_is_ans
     assert fresh < 0.05
     assert len(held) == 1
     assert [step.startswith("held;dur=") for step in timing] == [False, True, False], "Server-Timing says which"
+    assert all("read;dur=" in step for step in timing), "and how long the refused body took to read"
 
 
 def test_the_batchers_door_check_judges_the_queue_alone_and_counts_its_refusals() -> None:
