@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -394,6 +397,34 @@ def test_a_client_that_retries_before_its_retry_after_is_held_while_a_crowd_of_n
     with server.client() as client:
         assert held_refusals(client) == held_before + 2
         assert refusals(client, "classify").get("deadline", 0.0) == refused_before + 65
+
+
+def test_a_refused_upload_is_answered_before_it_arrives_and_its_connection_serves_on(server) -> None:
+    """The door answers a refusal without waiting for its body: the 503 comes while most of the
+    photo is still unsent; the server then discards the rest, and the connection serves the next request."""
+    photo = sample_photos()["chelsea"]
+    with server.client() as client:
+        assert client.post("/classify", content=photo, headers=JPEG).status_code == 200  # the engine's speed
+    parts = urlsplit(server.url)
+
+    def request(deadline: str) -> bytes:
+        head = f"POST /classify HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: image/jpeg\r\n"
+        return f"{head}X-Deadline-Ms: {deadline}\r\nContent-Length: {len(photo)}\r\n\r\n".encode()
+
+    def response(connection: socket.socket) -> http.client.HTTPResponse:
+        answer = http.client.HTTPResponse(connection)
+        answer.begin()
+        answer.read()
+        return answer
+
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as connection:
+        connection.sendall(request("1") + photo[:1000])
+        refused = response(connection)
+        connection.sendall(photo[1000:] + request("60000") + photo)
+        served = response(connection)
+
+    assert refused.status == 503 and refused.getheader("connection") is None
+    assert served.status == 200
 
 
 def test_models_in_their_own_services_answer_as_in_process(server, model_services_server) -> None:
