@@ -50,7 +50,7 @@ from serving.metrics import count_error
 from serving.schemas import UNREAD_REQUEST, ClassifyBatchResponse, ClassifyResponse, EmbedRequest, EmbedResponse
 from serving.settings import body_timeout_s
 from serving.shadow import shadowing
-from serving.tracing import READ_STEP, REQUEST_ID_HEADER, timed
+from serving.tracing import REQUEST_ID_HEADER, timed
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, refused as soon as it passes `limit` bytes, declared or chunked."""
     check_declared_length(request, limit)
     chunks, size = [], 0
-    with timed(READ_STEP):
+    with timed("read"):
         async with arriving_in_time():
             async for chunk in request.stream():
                 size += len(chunk)
@@ -284,7 +284,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def read_form(request: Request, *, max_files: int, hint: str = "") -> FormData:
     """The form, parsed by Starlette, whose malformed-body errors get our statuses."""
     try:
-        with timed(READ_STEP):
+        with timed("read"):
             async with arriving_in_time():
                 return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
     except (HTTPException, MultiPartException) as exc:

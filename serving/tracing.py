@@ -56,7 +56,6 @@ TRACEPARENT_KEY = b"traceparent"
 W3C_TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 EVERY_URL = ".*"  # an OpenTelemetry excluded-URL pattern, searched in each request's URL
 ACCESS_LOGGER = "optiserve.access"
-READ_STEP = "read"  # the Server-Timing step of a request body arriving, answered or refused
 
 
 @dataclass
