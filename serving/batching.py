@@ -65,6 +65,8 @@ LATE_SPREADS = 4.0
 BULK_BATCH_SECONDS = 0.002
 # Interactive traffic is "still coming" for this long after its last request.
 INTERACTIVE_QUIET_SECONDS = 0.25
+# Requests handed their batch's outputs per turn of the event loop (`Batcher._deliver`).
+DELIVERED_PER_TURN = 8
 
 
 @dataclass(frozen=True)
@@ -530,15 +532,23 @@ class Batcher(Generic[Rows]):
             self._thread.start()
         return loop
 
-    def _deliver(self, batch: Sequence[_Pending], outputs: np.ndarray | None, error: BaseException | None) -> None:
-        offset = 0
-        for piece in batch:
+    def _deliver(
+        self, batch: Sequence[_Pending], outputs: np.ndarray | None, error: BaseException | None, offset: int = 0
+    ) -> None:
+        """Hands the batch's requests their outputs (or its error), `DELIVERED_PER_TURN` per turn
+        of the event loop. Each request then writes its answer in one step of about 0.25 ms
+        (MiniLM, 2 cores): all 64 of a full batch in one turn held the loop for some 16 ms, in
+        which no new request was read, so a refusal waited as long. The loop reads its sockets
+        between turns: under a text flood its lag fell from 8-10 to 3 ms at p99 (RELIABILITY.md)."""
+        for piece in batch[:DELIVERED_PER_TURN]:
             if not piece.future.done():
                 if error is not None:
                     piece.future.set_exception(error)
                 else:
                     piece.future.set_result(outputs[offset : offset + piece.count])
             offset += piece.count
+        if len(batch) > DELIVERED_PER_TURN:
+            asyncio.get_running_loop().call_soon(self._deliver, batch[DELIVERED_PER_TURN:], outputs, error, offset)
 
     # --- the engine thread's side ------------------------------------------------------------
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
 
-from serving.batching import Batcher, BatchLimits
+from serving.batching import DELIVERED_PER_TURN, Batcher, BatchLimits
 from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull, Shed
 from serving.metrics import ModelMetrics
 from serving.text import padded_tokens
@@ -142,6 +143,38 @@ def test_one_failure_reaches_every_caller_of_that_batch_and_no_other() -> None:
     assert all(isinstance(o, InferenceFailed) for o in outcomes[1:4]), outcomes[1:4]
     assert all(isinstance(o.__cause__, RuntimeError) for o in outcomes[1:4])  # the engine's own, for the log
     assert all(isinstance(o, np.ndarray) for o in outcomes[4:]), outcomes[4:]
+
+
+def test_a_full_batchs_callers_resume_a_few_per_turn_of_the_event_loop_so_other_work_interleaves() -> None:
+    """Each caller writes its answer when it resumes; 32 in one turn would hold the loop that long."""
+    model = RecordingModel(seconds_per_batch=0.05)
+    batcher = make_batcher(model, endpoint="turns", max_batch_size=32)
+    turns, resumed_at = 0, []
+
+    async def counting_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)  # one step per turn of the loop
+
+    async def caller(rows: np.ndarray) -> None:
+        await submit(batcher, rows)
+        resumed_at.append(turns)
+
+    async def scenario() -> None:
+        counter = asyncio.create_task(counting_turns())
+        blocker = asyncio.create_task(submit(batcher, np.ones((1, 2))))  # the engine is busy: the rest queue up
+        await asyncio.sleep(0.01)
+        await asyncio.gather(*(caller(np.ones((1, 2))) for _ in range(32)))
+        await blocker
+        counter.cancel()
+
+    asyncio.run(scenario())
+
+    assert model.batches == [1, 32]
+    per_turn = Counter(resumed_at)
+    assert max(per_turn.values()) <= DELIVERED_PER_TURN
+    assert len(per_turn) >= 32 // DELIVERED_PER_TURN
 
 
 def test_queue_wait_inference_time_and_rows_are_recorded_per_model() -> None:
