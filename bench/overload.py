@@ -24,7 +24,9 @@ requests are then held to: at the default deadline a flood of a few times the kn
 admitted whole, and this shows the refusals. The flood's clients retry the instant they are
 answered, refused or not, the worst case for the service (serving/door.py holds their refusals);
 with `--honour-retry-after` a refused client waits as long as its Retry-After asks, then
-retries the same request with the same `X-Request-ID`, as SDKs do.
+retries the same request with the same `X-Request-ID`, as SDKs do, and with `--retry-jitter-s`
+up to that much longer at random, as their retry policies do: clients refused together then no
+longer come back together, in bursts that queue on the event loop.
 A table, JSON and a timeline plot per endpoint go to reports/bench/.
 """
 
@@ -69,11 +71,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="a refused flood client waits its Retry-After, then retries with the same X-Request-ID, as SDKs do",
     )
+    parser.add_argument(
+        "--retry-jitter-s",
+        type=float,
+        default=0.0,
+        help="with --honour-retry-after: a refused client waits up to this much longer, at random, as SDKs do",
+    )
     parser.add_argument("--unloaded-s", type=float, default=10.0)
     parser.add_argument("--recovery-s", type=float, default=6.0)
     parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
     parser.add_argument("--quick", action="store_true", help="a smoke run: short phases")
     args = parser.parse_args(argv)
+    if args.retry_jitter_s and not args.honour_retry_after:
+        parser.error("--retry-jitter-s is the jitter of clients that honour Retry-After: add --honour-retry-after")
     if args.quick:
         args.concurrency, args.flood_s, args.unloaded_s, args.recovery_s = "1,4", 5.0, 3.0, 3.0
     return args
@@ -140,6 +150,7 @@ async def flood_then_recover(
             stop=stop_flood,
             recorder=flood,
             honour_retry_after=args.honour_retry_after,
+            retry_jitter_s=args.retry_jitter_s,
         )
     )
     await asyncio.sleep(args.flood_s)

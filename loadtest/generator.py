@@ -76,10 +76,13 @@ async def closed_loop(
     stop: asyncio.Event,
     recorder: Recorder,
     honour_retry_after: bool = False,
+    retry_jitter_s: float = 0.0,
 ) -> None:
     """`concurrency` workers, each sending its next request as soon as the last one answered, or,
     `honour_retry_after`, as SDKs retry: a refused request again, with the same `X-Request-ID`,
-    once its Retry-After has passed (or the load stops)."""
+    once its Retry-After has passed (or the load stops), plus a random wait of up to
+    `retry_jitter_s`, as SDKs' retry policies add jitter. Without it, clients refused together
+    come back together, Retry-After being whole seconds, and queue behind one another."""
     order = itertools.cycle(requests)
     ids = (f"{secrets.token_hex(4)}-{n}" for n in itertools.count())
 
@@ -89,7 +92,7 @@ async def closed_loop(
             wait = await send(pool, request, recorder, time.perf_counter())
             while wait is not None and honour_retry_after and not stop.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait)
+                    await asyncio.wait_for(stop.wait(), wait + random.uniform(0.0, retry_jitter_s))
                 if not stop.is_set():
                     wait = await send(pool, request, recorder, time.perf_counter())
 

@@ -197,6 +197,35 @@ def test_a_client_honouring_retry_after_waits_before_its_next_request(tiny_serve
         assert set(ids) == {None}
 
 
+def test_clients_refused_together_come_back_spread_over_their_retry_jitter(tiny_server) -> None:
+    """Eight clients refused at once with Retry-After: 1 and a jitter of 0.5 s retry between 1 and
+    1.5 s later, each at its own time, not all in the same instant."""
+    url = tiny_server.url + "/refuse"
+    requests = post_requests(url, [directives(status=503, retry_after="1")])
+    recorder = Recorder()
+
+    async def load() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(1.8, stop.set)
+        await closed_loop(
+            Pool(url, timeout=5),
+            requests,
+            concurrency=8,
+            stop=stop,
+            recorder=recorder,
+            honour_retry_after=True,
+            retry_jitter_s=0.5,
+        )
+
+    uvloop.run(load())
+
+    sent = sorted(o.finished - o.latency for o in recorder.outcomes)
+    first, retries = sent[:8], [t - sent[0] for t in sent[8:]]
+    assert max(first) - min(first) < 0.1 and len(retries) == 8
+    assert all(1.0 <= t <= 1.6 for t in retries), retries
+    assert max(retries) - min(retries) > 0.05, "spread over the jitter"
+
+
 def test_a_refusal_is_recorded_with_what_the_server_says_of_it(tiny_server) -> None:
     """Held or not (the door names a refusal it held `held` in Server-Timing), its error type, and
     the server's own time for it (`total`); an answer that is no refusal is read for its time alone."""
