@@ -40,6 +40,17 @@ def test_flood_figures_count_goodput_per_second_and_refusals_apart_from_accepted
     assert flood.recovery_p99_ms[0] == 500.0 and flood.recovered_after_s == BUCKET_S
 
 
+def test_refusals_sent_in_the_floods_onset_are_also_read_apart() -> None:
+    """The clients' first requests all go out at once and queue on the event loop together."""
+    onset = [Outcome(finished=0.1, latency=0.09, status="503", refusal="overloaded", server_ms=0.1)] * 10
+    later = [Outcome(finished=2.0 + i / 100, latency=0.003, status="503", refusal="overloaded") for i in range(90)]
+
+    flood = summarize_flood(onset + later, [], 0.0, 5.0, concurrency=8, bound_ms=10.0, deadline_ms=200.0, rss=STEADY)
+
+    assert flood.refused_on_admission_p99_ms == 90.0
+    assert flood.refused_on_admission_after_onset_p99_ms == 3.0
+
+
 def test_answers_later_than_the_deadline_count_as_goodput_but_not_as_on_time() -> None:
     flooded = [Outcome(finished=0.5, latency=0.15, status="200") for _ in range(30)]
     flooded += [Outcome(finished=0.9, latency=0.25, status="200") for _ in range(10)]
