@@ -51,8 +51,8 @@ RSS_SAMPLE_S = 1.0
 REFUSALS = ("429", "503")
 EXPIRED = "expired"  # the error type of a request admitted, then refused when its deadline passed in the queue
 # The flood's onset: its clients all send their first request at once, and the event loop reads
-# them one after another (about 0.1 ms each for a refusal), so the last of 512 waits ~50 ms
-# however fast it is refused. Refusals sent after it are also read apart.
+# them one after another, so the last of 512 waits tens of milliseconds however fast it is
+# refused. Refusals sent after it are also read apart.
 ONSET_S = 1.0
 
 
