@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from serving.batching import DELIVERED_PER_TURN, Batcher, BatchLimits
+from serving.batching import DELIVERED_PER_TURN, QUEUE_SLOW_SHARE, Batcher, BatchLimits
 from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, QueueFull, Shed
 from serving.metrics import ModelMetrics
 from serving.text import padded_tokens
@@ -270,6 +270,43 @@ def test_a_deadline_is_judged_by_a_batchs_slow_side_not_its_mean() -> None:
     assert after_twelve_batches(UnevenModel([0.0375])) is None
     refusal = after_twelve_batches(UnevenModel([0.015, 0.015, 0.015, 0.105]))
     assert isinstance(refusal, DeadlineUnmet) and "within 100 ms" in str(refusal)
+
+
+class TimedModel(RecordingModel):
+    """A RecordingModel that keeps how long each of its batches really took."""
+
+    def __init__(self, seconds_per_batch: float) -> None:
+        super().__init__(seconds_per_batch=seconds_per_batch)
+        self.took: list[float] = []
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        started = time.perf_counter()
+        outputs = super().__call__(rows)
+        self.took.append(time.perf_counter() - started)
+        return outputs
+
+
+def test_the_queue_ahead_counts_on_its_slow_side_so_what_is_admitted_has_room_to_stray() -> None:
+    """One-row batches of 10 ms, a 400 ms deadline, 60 requests at once: at the engine's mean pace
+    about 39 would fit, but a queue's second of batches strays further under a flood than its
+    batches' own spread shows, so only those that fit with the queue 15 % slower are let in."""
+    model = TimedModel(seconds_per_batch=0.01)
+    batcher = make_batcher(model, endpoint="slow-queue", max_batch_size=1, max_latency_ms=400)
+
+    async def learn_then_flood() -> list:
+        for _ in range(10):
+            await submit(batcher, np.ones((1, 1)))
+        return await together(batcher, [np.ones((1, 1)) for _ in range(60)])
+
+    outcomes = asyncio.run(learn_then_flood())
+
+    admitted = sum(isinstance(outcome, np.ndarray) for outcome in outcomes)
+    mean = sum(model.took) / len(model.took)
+    assert not [o for o in outcomes if isinstance(o, DeadlineExpired)], "an admitted request expired"
+    assert 0.4 / ((1 + QUEUE_SLOW_SHARE) * mean) - 6 <= admitted <= 0.4 / ((1 + QUEUE_SLOW_SHARE) * mean) + 1, (
+        admitted,
+        mean,
+    )
 
 
 def test_the_time_requests_take_to_reach_the_queue_counts_in_what_is_admitted() -> None:
