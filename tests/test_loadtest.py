@@ -169,22 +169,26 @@ def test_requests_carry_the_headers_asked_for_on_every_replay() -> None:
     assert b"\r\nX-Deadline-Ms: 50" in head and int(head.split(b"Content-Length: ")[1]) == len(body)
 
 
-@pytest.mark.parametrize(("honour", "at_most"), [(True, 4), (False, None)])
-def test_a_client_honouring_retry_after_waits_before_its_next_request(tiny_server, honour, at_most) -> None:
-    """Two clients for 1.5 s, every answer a 503 with Retry-After: 1; honouring it, a client
-    retries the same request with the same X-Request-ID, as SDKs do."""
-    url = tiny_server.url + "/refuse"
+def refused_for(url: str, seconds: float, **closed_loop_options) -> Recorder:
+    """A closed loop of `closed_loop_options` for `seconds` against `url`, which answers every
+    request 503 with Retry-After: 1."""
     requests = post_requests(url, [directives(status=503, retry_after="1")])
     recorder = Recorder()
 
     async def load() -> None:
         stop = asyncio.Event()
-        asyncio.get_running_loop().call_later(1.5, stop.set)
-        await closed_loop(
-            Pool(url, timeout=5), requests, concurrency=2, stop=stop, recorder=recorder, honour_retry_after=honour
-        )
+        asyncio.get_running_loop().call_later(seconds, stop.set)
+        await closed_loop(Pool(url, timeout=5), requests, stop=stop, recorder=recorder, **closed_loop_options)
 
     uvloop.run(load())
+    return recorder
+
+
+@pytest.mark.parametrize(("honour", "at_most"), [(True, 4), (False, None)])
+def test_a_client_honouring_retry_after_waits_before_its_next_request(tiny_server, honour, at_most) -> None:
+    """Two clients for 1.5 s, every answer a 503 with Retry-After: 1; honouring it, a client
+    retries the same request with the same X-Request-ID, as SDKs do."""
+    recorder = refused_for(tiny_server.url + "/refuse", 1.5, concurrency=2, honour_retry_after=honour)
 
     statuses = {o.status for o in recorder.outcomes}
     assert statuses == {"503"}
@@ -200,24 +204,7 @@ def test_a_client_honouring_retry_after_waits_before_its_next_request(tiny_serve
 def test_clients_refused_together_come_back_spread_over_their_retry_jitter(tiny_server) -> None:
     """Eight clients refused at once with Retry-After: 1 and a jitter of 0.5 s retry between 1 and
     1.5 s later, each at its own time, not all in the same instant."""
-    url = tiny_server.url + "/refuse"
-    requests = post_requests(url, [directives(status=503, retry_after="1")])
-    recorder = Recorder()
-
-    async def load() -> None:
-        stop = asyncio.Event()
-        asyncio.get_running_loop().call_later(1.8, stop.set)
-        await closed_loop(
-            Pool(url, timeout=5),
-            requests,
-            concurrency=8,
-            stop=stop,
-            recorder=recorder,
-            honour_retry_after=True,
-            retry_jitter_s=0.5,
-        )
-
-    uvloop.run(load())
+    recorder = refused_for(tiny_server.url + "/refuse", 1.8, concurrency=8, honour_retry_after=True, retry_jitter_s=0.5)
 
     sent = sorted(o.finished - o.latency for o in recorder.outcomes)
     first, retries = sent[:8], [t - sent[0] for t in sent[8:]]
