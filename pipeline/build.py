@@ -4,9 +4,11 @@ profiled → served variant selected → every accepted artifact in the model st
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import bentoml
 import numpy as np
@@ -49,6 +51,34 @@ Step = Callable[[str], None]
 EAGER = "pytorch-eager"
 
 
+class StepTime(NamedTuple):
+    name: str
+    seconds: float
+
+
+class StepClock:
+    """Shows each step of a build as it starts (`show`, the progress bar) and keeps how long each
+    took, so that the report can say where the minutes of `make serve` went on this machine."""
+
+    def __init__(self, show: Step) -> None:
+        self.show = show
+        self.times: list[StepTime] = []
+        self._current: tuple[str, float] | None = None
+
+    def __call__(self, name: str) -> None:
+        self.stop()
+        self.show(name)
+        self._current = (name, time.monotonic())
+
+    def stop(self) -> list[StepTime]:
+        """Ends the step under way; the steps so far."""
+        if self._current is not None:
+            name, started = self._current
+            self.times.append(StepTime(name, time.monotonic() - started))
+            self._current = None
+        return self.times
+
+
 @dataclass(frozen=True)
 class BuildResult:
     model: bentoml.Model  # the selected (served) variant
@@ -56,6 +86,7 @@ class BuildResult:
     candidates: list[Candidate]
     eager: list[ProfilePoint]
     reused: bool
+    steps: list[StepTime] = field(default_factory=list)  # a build's, in order; none when reused
 
     def route(self, loaded: LoadedRecipe) -> Route:
         serving = loaded.recipe.serving
@@ -150,17 +181,19 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
         return reused
     recipe = loaded.recipe
     task = TASKS[recipe.task]
-    step("loading source model")
+    clock = StepClock(step)
+    clock("loading source model")
     source = load_source(loaded)
     graph = task.serving_graph(recipe, source)
     settings = EngineSettings.from_environment()
     slo_ms = recipe.budget.p99_slo_ms if recipe.budget else 1000.0
     with tempfile.TemporaryDirectory(prefix="optiserve-") as scratch:
         workdir = Path(scratch)
-        step("exporting to ONNX")
+        clock("exporting to ONNX")
         fp32_path = export_onnx(graph, workdir / ONNX_FILE, opset=recipe.export.opset)
+        clock("preparing calibration, evaluation and profiling inputs")
         data = task.prepare(loaded, source, graph, workdir)
-        step("checking ONNX against PyTorch")
+        clock("checking ONNX against PyTorch")
         check = check_export(task, recipe.export.tolerance, graph, fp32_path, data.check_batches)
         config = getattr(source.module, "config", None)
         inputs = VariantInputs(
@@ -177,10 +210,11 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             student=recipe.student,
         )
         predict = _predictor(data, settings)
+        clock("evaluating FP32, the reference")
         reference = predict(inputs.fp32, "onnxruntime")
-        candidates = tune_variants(recipe, inputs, data, predict, reference, step)
+        candidates = tune_variants(recipe, inputs, data, predict, reference, clock)
         if CASCADE in recipe.variants:
-            step("variant cascade: calibrating its threshold")
+            clock("variant cascade: calibrating its threshold")
             outputs_on = _outputs_on(data, settings)
             candidates.append(
                 cascade_candidate(
@@ -195,11 +229,11 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
                     workdir,
                 )
             )
-        candidates, chosen, eager = profile_candidates(candidates, task, graph, data, recipe, settings, slo_ms, step)
+        candidates, chosen, eager = profile_candidates(candidates, task, graph, data, recipe, settings, slo_ms, clock)
         batching = choose_batching(
             chosen.profile, slo_ms=slo_ms, max_length=data.spec.text.max_length if data.spec.text else None
         )
-        step("registering in the model store")
+        clock("registering in the model store")
         common = {
             RECIPE_HASH: content_hash,
             "source": recipe.source.model_dump(mode="json"),
@@ -229,7 +263,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             for c in candidates
             if c.accepted
         }
-    return BuildResult(stored[chosen.variant], batching, candidates, eager, reused=False)
+    return BuildResult(stored[chosen.variant], batching, candidates, eager, reused=False, steps=clock.stop())
 
 
 def tune_variants(

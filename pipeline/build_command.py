@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pipeline.build import build
+from pipeline.build import StepTime, build
 from pipeline.export_check import ExportCheckError
 from pipeline.profile import Batching
 from pipeline.quiet import third_party_quiet
@@ -56,6 +56,12 @@ def batching_summary(batching: Batching) -> str:
     return f"{batching.max_batch_size} rows{tokens}, {batching.max_latency_ms} ms"
 
 
+def slowest_steps(name: str, steps: list[StepTime], shown: int = 3) -> str:
+    """A build's slowest steps, on one line under the summary table (the report lists them all)."""
+    slowest = sorted(steps, key=lambda step: -step.seconds)[:shown]
+    return f"{name}: " + ", ".join(f"{step.name} {step.seconds:.0f} s" for step in slowest)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -63,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as exc:
         console.print(f"[red]recipe error[/red] {exc}")
         return 2
-    routes = {}
+    routes, slowest = {}, []
     table = Table("recipe", "served", "built", "variants accepted", "batching", "report", "seconds")
     with (
         third_party_quiet(console),
@@ -98,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                 str(report),
                 f"{time.monotonic() - started:.1f}",
             )
+            if result.steps:
+                slowest.append(slowest_steps(loaded.name, result.steps))
     console.print(table)
+    if slowest:
+        console.print("slowest steps (each report lists them all):\n  " + "\n  ".join(slowest))
     try:
         manifest = update_manifest(routes, args.manifest)
     except ManifestError as exc:

@@ -12,7 +12,7 @@ from pipeline.tuning import HELD_OUT, Candidate
 from serving.cpu import describe_cpu
 
 if TYPE_CHECKING:
-    from pipeline.build import BuildResult
+    from pipeline.build import BuildResult, StepTime
 
 HEADER = (
     "| variant | engine | precision | size MB | p50 @ batch 1 (ms) | throughput @ best batch (rows/s) "
@@ -164,6 +164,15 @@ def cascade_text(candidates: list[Candidate]) -> str:
     )
 
 
+def steps_text(steps: list[StepTime]) -> str:
+    """Where the build's time went on this machine; nothing for a build reused from the store."""
+    if not steps:
+        return ""
+    total = sum(seconds for _, seconds in steps)
+    rows = "\n".join(f"| {name} | {seconds:.1f} | {100 * seconds / total:.0f} % |" for name, seconds in steps)
+    return f"## Where the build's {total:.0f} s went\n\n| step | seconds | share |\n|---|---:|---:|\n{rows}\n\n"
+
+
 def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
     candidates, eager = result.candidates, result.eager
     directory.mkdir(parents=True, exist_ok=True)
@@ -196,6 +205,7 @@ def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
         "well as over inputs where inputs share one (the views of a photo, the moved copies of a digit).\n\n"
         f"## Profile of the served variant ({served})\n\n{profile_table(served_profile)}\n"
         f"{cascade_text(candidates)}"
+        f"{steps_text(result.steps)}"
         f"## Tuning trials\n\n{trials or 'none'}\n\n"
         "![accuracy against throughput](frontier.png)\n\n![latency against batch size](latency.png)\n"
     )

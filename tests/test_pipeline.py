@@ -118,6 +118,31 @@ def test_rerun_of_an_unchanged_recipe_reuses_the_stored_model(
     again = build(default_recipes["image-classifier"])
     assert again.reused
     assert again.model.tag == built_models["image-classifier"].model.tag
+    assert again.steps == []  # nothing was built, so no step to report
+
+
+def test_the_report_says_where_the_build_time_went(
+    built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe], tmp_path: Path
+) -> None:
+    recipe = default_recipes["image-classifier"].recipe
+    result = built_models["image-classifier"]
+    names = [step.name for step in result.steps]
+    assert names[:5] == [
+        "loading source model",
+        "exporting to ONNX",
+        "preparing calibration, evaluation and profiling inputs",
+        "checking ONNX against PyTorch",
+        "evaluating FP32, the reference",
+    ]
+    assert names[-1] == "registering in the model store"
+    assert [name for name in names if name.startswith("variant ")] == [f"variant {v}" for v in recipe.variants]
+    # Each step is timed from its own start: the full profile times every finalist for the recipe's
+    # seconds per batch size, so its step cannot take less.
+    (full_profile,) = [step for step in result.steps if step.name.startswith("profiling (in full")]
+    assert full_profile.seconds >= recipe.profiling.seconds_per_point
+    report = write_report(recipe, result, tmp_path).read_text()
+    assert f"## Where the build's {sum(step.seconds for step in result.steps):.0f} s went" in report
+    assert all(f"| {name} |" in report for name in names)
 
 
 def test_a_stored_model_with_a_damaged_file_is_not_reused(default_recipes: dict[str, LoadedRecipe]) -> None:
