@@ -48,6 +48,7 @@ from serving.monitoring import MONITORING_KEY
 # Bump when export or registration changes what an unchanged recipe produces.
 EXPORT_REVISION = "4"
 Step = Callable[[str], None]
+BUILD_STEPS = "build_steps"  # the selected variant's metadata: the steps of the build that made it
 EAGER = "pytorch-eager"
 
 
@@ -58,7 +59,9 @@ class StepTime(NamedTuple):
 
 class StepClock:
     """Shows each step of a build as it starts (`show`, the progress bar) and keeps how long each
-    took, so that the report can say where the minutes of `make serve` went on this machine."""
+    took, so that the report can say where the minutes of `make serve` went on this machine. A
+    step ends when the next starts: the last one, registration, is shown but not timed, since the
+    times are stored with the model it registers."""
 
     def __init__(self, show: Step) -> None:
         self.show = show
@@ -66,17 +69,11 @@ class StepClock:
         self._current: tuple[str, float] | None = None
 
     def __call__(self, name: str) -> None:
-        self.stop()
-        self.show(name)
-        self._current = (name, time.monotonic())
-
-    def stop(self) -> list[StepTime]:
-        """Ends the step under way; the steps so far."""
+        now = time.monotonic()
         if self._current is not None:
-            name, started = self._current
-            self.times.append(StepTime(name, time.monotonic() - started))
-            self._current = None
-        return self.times
+            self.times.append(StepTime(self._current[0], now - self._current[1]))
+        self.show(name)
+        self._current = (name, now)
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class BuildResult:
     candidates: list[Candidate]
     eager: list[ProfilePoint]
     reused: bool
-    steps: list[StepTime] = field(default_factory=list)  # a build's, in order; none when reused
+    steps: list[StepTime] = field(default_factory=list)  # the build's, in order, also when reused
 
     def route(self, loaded: LoadedRecipe) -> Route:
         serving = loaded.recipe.serving
@@ -234,6 +231,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             chosen.profile, slo_ms=slo_ms, max_length=data.spec.text.max_length if data.spec.text else None
         )
         clock("registering in the model store")
+        steps = list(clock.times)
         common = {
             RECIPE_HASH: content_hash,
             "source": recipe.source.model_dump(mode="json"),
@@ -247,6 +245,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             "batching": batching.model_dump(),
             "candidates": [c.model_dump(mode="json", exclude={"path"}) for c in candidates],
             "eager_profile": [p.model_dump() for p in eager],
+            BUILD_STEPS: [step._asdict() for step in steps],
         }
         stored = {
             c.variant: register_candidate(
@@ -263,7 +262,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             for c in candidates
             if c.accepted
         }
-    return BuildResult(stored[chosen.variant], batching, candidates, eager, reused=False, steps=clock.stop())
+    return BuildResult(stored[chosen.variant], batching, candidates, eager, reused=False, steps=steps)
 
 
 def tune_variants(
@@ -430,4 +429,5 @@ def reuse(name: str, content_hash: str) -> BuildResult | None:
         candidates=[Candidate.model_validate(c) for c in metadata["candidates"]],
         eager=[ProfilePoint.model_validate(p) for p in metadata["eager_profile"]],
         reused=True,
+        steps=[StepTime(**step) for step in metadata.get(BUILD_STEPS, [])],
     )

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(report),
                 f"{time.monotonic() - started:.1f}",
             )
-            if result.steps:
+            if result.steps and not result.reused:
                 slowest.append(slowest_steps(loaded.name, result.steps))
     console.print(table)
     if slowest:

@@ -165,12 +165,14 @@ def cascade_text(candidates: list[Candidate]) -> str:
 
 
 def steps_text(steps: list[StepTime]) -> str:
-    """Where the build's time went on this machine; nothing for a build reused from the store."""
+    """Where the time of the build that made the model went (registering it aside); nothing for a
+    model stored before builds were timed."""
     if not steps:
         return ""
     total = sum(seconds for _, seconds in steps)
     rows = "\n".join(f"| {name} | {seconds:.1f} | {100 * seconds / total:.0f} % |" for name, seconds in steps)
-    return f"## Where the build's {total:.0f} s went\n\n| step | seconds | share |\n|---|---:|---:|\n{rows}\n\n"
+    heading = f"## Where the build's {total:.0f} s went (before registering)"
+    return f"{heading}\n\n| step | seconds | share |\n|---|---:|---:|\n{rows}\n\n"
 
 
 def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:

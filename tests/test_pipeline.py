@@ -118,7 +118,8 @@ def test_rerun_of_an_unchanged_recipe_reuses_the_stored_model(
     again = build(default_recipes["image-classifier"])
     assert again.reused
     assert again.model.tag == built_models["image-classifier"].model.tag
-    assert again.steps == []  # nothing was built, so no step to report
+    # The report of a reused build still says where the build that made it spent its time.
+    assert again.steps == built_models["image-classifier"].steps
 
 
 def test_the_report_says_where_the_build_time_went(
@@ -134,7 +135,6 @@ def test_the_report_says_where_the_build_time_went(
         "checking ONNX against PyTorch",
         "evaluating FP32, the reference",
     ]
-    assert names[-1] == "registering in the model store"
     assert [name for name in names if name.startswith("variant ")] == [f"variant {v}" for v in recipe.variants]
     # Each step is timed from its own start: the full profile times every finalist for the recipe's
     # seconds per batch size, so its step cannot take less.
