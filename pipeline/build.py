@@ -32,6 +32,7 @@ from pipeline.profile import (
     profile,
     runtime_runner,
     sampler,
+    servable,
 )
 from pipeline.recipe import LoadedRecipe, Recipe
 from pipeline.registry import RECIPE_HASH, find_selected, register
@@ -155,21 +156,22 @@ def _fp16_on_cpu_only(candidate: Candidate, fp32: Candidate) -> Candidate:
     )
 
 
-def throughput_within_slo(candidate: Candidate, slo_ms: float) -> float:
-    """Rows/s at the candidate's best batch size whose p99 meets the SLO."""
-    return max((p.throughput for p in candidate.profile if p.p99_ms <= slo_ms), default=0.0)
+def servable_throughput(candidate: Candidate, slo_ms: float) -> float:
+    """Rows/s at the candidate's best batch size among those its batching may choose: variants
+    are compared at the batches the service would run them in, not at larger ones it never will."""
+    return max((p.throughput for p in servable(candidate.profile, slo_ms)), default=0.0)
 
 
 def select(candidates: list[Candidate], slo_ms: float, preferred: str | None = None) -> Candidate:
     """The `preferred` variant where the gate accepted it (the recipe's `serving.variant`); else
-    the highest throughput among accepted variants, counting only batch sizes whose p99 meets the
-    SLO; the FP32 reference stays unless another variant beats it by more than the noise margin."""
+    the highest throughput among accepted variants at the batch sizes their batching may choose;
+    the FP32 reference stays unless another variant beats it by more than the noise margin."""
     if (named := next((c for c in candidates if c.variant == preferred and c.accepted), None)) is not None:
         return named
     reference = candidates[0]
-    floor = throughput_within_slo(reference, slo_ms) * (1 + NOISE_MARGIN)
-    faster = [c for c in candidates[1:] if c.accepted and throughput_within_slo(c, slo_ms) > floor]
-    return max(faster, key=lambda c: throughput_within_slo(c, slo_ms), default=reference)
+    floor = servable_throughput(reference, slo_ms) * (1 + NOISE_MARGIN)
+    faster = [c for c in candidates[1:] if c.accepted and servable_throughput(c, slo_ms) > floor]
+    return max(faster, key=lambda c: servable_throughput(c, slo_ms), default=reference)
 
 
 def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = False) -> BuildResult:
@@ -183,7 +185,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
     source = load_source(loaded)
     graph = task.serving_graph(recipe, source)
     settings = EngineSettings.from_environment()
-    slo_ms = recipe.budget.p99_slo_ms if recipe.budget else 1000.0
+    slo_ms = recipe.slo_ms
     with tempfile.TemporaryDirectory(prefix="optiserve-") as scratch:
         workdir = Path(scratch)
         clock("exporting to ONNX")
@@ -358,11 +360,11 @@ def contenders(candidates: list[Candidate], slo_ms: float, preferred: str | None
     """The FP32 reference, then what screening could not rule out of serving: the recipe's
     `serving.variant`, and every accepted variant within `CONTENDER_SHARE` of the best screened
     throughput (screening times a few calls per batch size: the share leaves room for their noise)."""
-    best = max(throughput_within_slo(c, slo_ms) for c in candidates if c.accepted)
+    best = max(servable_throughput(c, slo_ms) for c in candidates if c.accepted)
     return [candidates[0]] + [
         c
         for c in candidates[1:]
-        if c.accepted and (c.variant == preferred or throughput_within_slo(c, slo_ms) >= CONTENDER_SHARE * best)
+        if c.accepted and (c.variant == preferred or servable_throughput(c, slo_ms) >= CONTENDER_SHARE * best)
     ]
 
 

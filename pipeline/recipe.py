@@ -206,6 +206,11 @@ class RecipeBase(Strict):
                 )
         return self
 
+    @property
+    def slo_ms(self) -> float:
+        """The p99 one model call must meet at the batch size chosen: the budget's, else 1 s."""
+        return self.budget.p99_slo_ms if self.budget else Budget.model_fields["p99_slo_ms"].default
+
     def file_fields(self) -> dict[str, str]:
         """Recipe field → the file reference it holds, for the loader to resolve and hash."""
         fields = {}

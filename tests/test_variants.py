@@ -270,6 +270,43 @@ def test_selection_needs_a_clear_win_over_fp32_within_the_slo() -> None:
     assert select([fp32, _profiled("slow-tail", 150, p99_ms=500)], slo_ms=100).variant == "fp32"
 
 
+def test_variants_are_compared_at_the_batches_their_batching_may_choose() -> None:
+    """A variant fastest only at a batch whose p99 leaves no room for a batch ahead (2 × p99 > SLO)
+    would never run that batch in the service."""
+    from pipeline.profile import ProfilePoint
+    from pipeline.tuning import Candidate
+
+    def profiled(variant: str, *points: tuple[int, float, float]) -> Candidate:
+        profile = [ProfilePoint(batch_size=b, p50_ms=p99 / 2, p99_ms=p99, throughput=t) for b, t, p99 in points]
+        return Candidate(variant=variant, precision="x", accepted=True, profile=profile)
+
+    fp32 = profiled("fp32", (8, 100, 40), (16, 110, 80))
+    fast_when_too_slow = profiled("big-batches", (8, 100, 40), (16, 200, 90))
+    fast_where_it_runs = profiled("small-batches", (8, 130, 45), (16, 130, 95))
+    assert select([fp32, fast_when_too_slow, fast_where_it_runs], slo_ms=100).variant == "small-batches"
+    assert select([fp32, fast_when_too_slow], slo_ms=100).variant == "fp32"
+
+
+def test_profiling_stops_growing_a_batch_once_half_the_slo_is_gone_and_warms_up_cheaply_after_the_first_block() -> None:
+    """Calls of 4 ms per row against a 100 ms SLO: at 16 rows the median call takes 64 ms, so 32
+    rows is never timed. Each batch size's first block warms up at its size, later ones on one row."""
+    import time
+
+    from pipeline.profile import profile
+
+    calls: list[int] = []
+
+    def run(batch: int) -> None:
+        calls.append(batch)
+        time.sleep(0.004 * batch)
+
+    points = profile({"linear": run}, 64, slo_ms=100, seconds_per_point=0.04, blocks=2)["linear"]
+    assert [p.batch_size for p in points] == [1, 2, 4, 8, 16]
+    assert 2 * points[-1].p50_ms > 100
+    # a 64 ms call outlasts a 20 ms block: per block one untimed call, then one timed
+    assert calls[calls.index(16) :] == [16, 16, 1, 16]
+
+
 def test_the_report_marks_the_figures_of_variants_only_screened(
     tiny_text: BuildResult, tiny_text_recipe: dict, tmp_path
 ) -> None:
