@@ -16,7 +16,7 @@ import numpy as np
 
 from serving.batching import Admission
 from serving.errors import InputTooLarge, InvalidInput
-from serving.images import check_content_type, decode_image, resize_center_crop
+from serving.images import check_content_type, decode_sized, resize_center_crop
 from serving.manifest import Route
 from serving.metrics import count_cascade_answers
 from serving.model_calls import BatchedModel, Observer
@@ -42,8 +42,8 @@ def prepare_sized_image(upload: ImageUpload, spec: ImageInput) -> tuple[np.ndarr
     """Bytes to the model's uint8 HWC input, the path every request and every evaluation takes,
     with the decoded image's (width, height), which monitoring records."""
     check_content_type(upload.content_type, name=upload.name)
-    image = decode_image(upload.data, name=upload.name)
-    return resize_center_crop(image, resize=spec.resize, crop=spec.size), image.size
+    decoded = decode_sized(upload.data, min_side=spec.resize, name=upload.name)
+    return resize_center_crop(decoded.image, resize=spec.resize, crop=spec.size), decoded.size
 
 
 def prepare_image(upload: ImageUpload, spec: ImageInput) -> np.ndarray:

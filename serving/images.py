@@ -7,7 +7,9 @@ the model's input size.
 from __future__ import annotations
 
 import io
+import math
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -20,6 +22,22 @@ DEFAULT_MAX_PIXELS = 40_000_000
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024
 
 
+# Big images are brought down to this multiple of the size the model needs before they are
+# resampled: JPEGs decoded at 1/2, 1/4 or 1/8 scale by libjpeg's scaled IDCT (Pillow's `draft`),
+# others reduced by a whole factor first (`reducing_gap`). Pillow's own two-step reduction, which
+# its documentation calls practically indistinguishable from fair resampling at 3. A 12-megapixel
+# phone photo took 99 ms to decode and crop in full and 35 ms so on 2 cores; over 720 views of the
+# sample photos (0.3-13 megapixels) the FP32 image model's top-1 agreed on 99.9 % (BENCHMARKS.md).
+REDUCING_GAP = 3.0
+ORIENTATION_TAG = 0x0112
+TURNED_ORIENTATIONS = frozenset({5, 6, 7, 8})  # EXIF orientations that swap width and height
+
+
+class DecodedImage(NamedTuple):
+    image: Image.Image  # RGB, upright, reduced where `min_side` allowed it
+    size: tuple[int, int]  # (width, height) of the image as sent, upright: what monitoring records
+
+
 def decode_image(
     data: bytes,
     *,
@@ -27,7 +45,20 @@ def decode_image(
     max_bytes: int = DEFAULT_MAX_BYTES,
     name: str = "image",
 ) -> Image.Image:
-    """Decode untrusted bytes to RGB, refusing bombs before any pixel is decompressed."""
+    """Decode untrusted bytes to RGB at full size, refusing bombs before any pixel is decompressed."""
+    return decode_sized(data, min_side=None, max_pixels=max_pixels, max_bytes=max_bytes, name=name).image
+
+
+def decode_sized(
+    data: bytes,
+    *,
+    min_side: int | None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    name: str = "image",
+) -> DecodedImage:
+    """`decode_image` for a consumer that needs the shorter side no longer than `min_side`: a JPEG
+    is decoded at the smallest scale that keeps it `REDUCING_GAP` times that."""
     if not data:
         raise EmptyInput(f"{name}: the file is empty (0 bytes)")
     if len(data) > max_bytes:
@@ -42,7 +73,10 @@ def decode_image(
                 raise InputTooLarge(
                     f"{name}: {width}x{height} = {width * height} pixels exceeds the limit of {max_pixels} pixels"
                 )
+            if min_side is not None and (reduced := REDUCING_GAP * min_side / min(width, height)) < 1:
+                image.draft(None, (math.ceil(width * reduced), math.ceil(height * reduced)))  # JPEG only
             image.load()
+            turned = image.getexif().get(ORIENTATION_TAG) in TURNED_ORIENTATIONS
             ImageOps.exif_transpose(image, in_place=True)  # a phone photo stored sideways is seen as shown
     except UnidentifiedImageError as exc:
         raise UndecodableInput(
@@ -52,7 +86,7 @@ def decode_image(
         raise InputTooLarge(f"{name}: more than {max_pixels} pixels") from exc
     except (OSError, SyntaxError, ValueError) as exc:  # PIL's text would name its internals, not the input
         raise UndecodableInput(f"{name}: corrupt or truncated image") from exc
-    return image.convert("RGB")
+    return DecodedImage(image.convert("RGB"), (height, width) if turned else (width, height))
 
 
 def resize_center_crop(image: Image.Image, *, resize: int, crop: int) -> np.ndarray:
@@ -65,7 +99,8 @@ def resize_center_crop(image: Image.Image, *, resize: int, crop: int) -> np.ndar
     side = crop * min(width, height) / resize  # the crop's side in source pixels
     left, top = (width - side) / 2, (height - side) / 2
     box = (left, top, left + side, top + side)
-    return np.asarray(image.resize((crop, crop), Image.Resampling.BILINEAR, box=box), dtype=np.uint8)
+    resized = image.resize((crop, crop), Image.Resampling.BILINEAR, box=box, reducing_gap=REDUCING_GAP)
+    return np.asarray(resized, dtype=np.uint8)
 
 
 def check_content_type(content_type: str | None, *, name: str = "image") -> None:

@@ -21,7 +21,7 @@ from serving.errors import (
     UndecodableInput,
     UnsupportedMediaType,
 )
-from serving.images import check_content_type, decode_image, resize_center_crop
+from serving.images import REDUCING_GAP, check_content_type, decode_image, decode_sized, resize_center_crop
 from serving.text import TextTokenizer, check_text_batch, length_groups, pad_batch
 
 
@@ -37,6 +37,43 @@ def test_real_photos_decode_to_rgb_at_model_size() -> None:
         assert image.mode == "RGB", name
         pixels = resize_center_crop(image, resize=256, crop=224)
         assert pixels.shape == (224, 224, 3) and pixels.dtype == np.uint8, name
+
+
+def phone_photo(orientation: int | None = None) -> bytes:
+    """A sample photo at a phone camera's 4032 × 3024, with sensor-like noise, as a JPEG."""
+    image = Image.open(io.BytesIO(sample_photos()["chelsea"])).convert("RGB").resize((4032, 3024), Image.BICUBIC)
+    noisy = np.asarray(image) + np.random.default_rng(0).normal(0, 3, (3024, 4032, 3))
+    buffer = io.BytesIO()
+    exif = Image.Exif()
+    if orientation is not None:
+        exif[0x0112] = orientation
+    Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90, exif=exif)
+    return buffer.getvalue()
+
+
+def test_a_phone_photo_is_decoded_at_reduced_scale_into_what_full_decoding_gives() -> None:
+    """A 12-megapixel JPEG for a model that resizes to 256 is decoded at half scale (1512 rows,
+    at least 3 × 256); its pixels at the model's size stay those of decoding
+    it whole, and its size is the one sent."""
+    data = phone_photo()
+    decoded = decode_sized(data, min_side=256)
+    assert decoded.size == (4032, 3024)
+    assert REDUCING_GAP * 256 <= min(decoded.image.size) < 2 * REDUCING_GAP * 256
+    reduced = resize_center_crop(decoded.image, resize=256, crop=224).astype(int)
+    whole = resize_center_crop(decode_image(data), resize=256, crop=224).astype(int)
+    assert np.abs(reduced - whole).mean() < 1.0  # of 255 levels
+
+
+def test_a_photo_stored_sideways_is_upright_and_says_its_upright_size() -> None:
+    decoded = decode_sized(phone_photo(orientation=6), min_side=256)  # EXIF: rotate 90° to show
+    assert decoded.size == (3024, 4032)
+    assert decoded.image.size[0] < decoded.image.size[1]
+
+
+def test_a_photo_near_the_models_size_is_decoded_whole() -> None:
+    data = sample_photos()["chelsea"]
+    decoded = decode_sized(data, min_side=256)
+    assert decoded.image.size == decoded.size == decode_image(data).size
 
 
 def test_the_crop_is_the_centre_of_a_wide_image() -> None:
