@@ -57,9 +57,10 @@ def batching_summary(batching: Batching) -> str:
 
 
 def slowest_steps(name: str, steps: list[StepTime], shown: int = 3) -> str:
-    """A build's slowest steps, on one line under the summary table (the report lists them all)."""
+    """A build's slowest steps, on one line under the summary table; a step's name without its
+    details after the colon (the variants a profiling step timed), which the report lists."""
     slowest = sorted(steps, key=lambda step: -step.seconds)[:shown]
-    return f"{name}: " + ", ".join(f"{step.name} {step.seconds:.0f} s" for step in slowest)
+    return f"{name}: " + ", ".join(f"{step.name.split(':')[0]} {step.seconds:.0f} s" for step in slowest)
 
 
 def main(argv: list[str] | None = None) -> int:

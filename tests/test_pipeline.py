@@ -10,7 +10,8 @@ import onnx
 import pytest
 import torch
 
-from pipeline.build import BuildResult, build
+from pipeline.build import BuildResult, StepTime, build
+from pipeline.build_command import slowest_steps
 from pipeline.datasets import text_split
 from pipeline.export_check import ExportCheckError, check_export, image_batches, text_batches
 from pipeline.profile import runtime_runner, sampler
@@ -143,6 +144,15 @@ def test_the_report_says_where_the_build_time_went(
     report = write_report(recipe, result, tmp_path).read_text()
     assert f"## Where the build's {sum(step.seconds for step in result.steps):.0f} s went" in report
     assert all(f"| {name} |" in report for name in names)
+
+
+def test_the_slowest_steps_fit_one_line_under_the_summary() -> None:
+    steps = [StepTime("variant int8", 1.0), StepTime("profiling (in full, interleaved): fp32, int8", 50.2)]
+    steps += [StepTime("exporting to ONNX", 10.0), StepTime("loading source model", 5.0)]
+    assert (
+        slowest_steps("text", steps)
+        == "text: profiling (in full, interleaved) 50 s, exporting to ONNX 10 s, loading source model 5 s"
+    )
 
 
 def test_a_stored_model_with_a_damaged_file_is_not_reused(default_recipes: dict[str, LoadedRecipe]) -> None:
