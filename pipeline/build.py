@@ -27,7 +27,6 @@ from pipeline.profile import (
     Batching,
     ProfilePoint,
     Run,
-    best_point,
     choose_batching,
     profile,
     runtime_runner,
@@ -144,16 +143,16 @@ NOISE_MARGIN = 0.05  # a speed-up smaller than this is within one run's noise on
 CONTENDER_SHARE = 0.8
 
 
-def _fp16_on_cpu_only(candidate: Candidate, fp32: Candidate) -> Candidate:
-    """FP16 is for GPU providers; on CPU it is kept only if it measured clearly faster than FP32."""
+def _fp16_on_cpu_only(candidate: Candidate, fp32: Candidate, slo_ms: float) -> Candidate:
+    """FP16 is for GPU providers; on CPU it is kept only if it measured clearly faster than FP32,
+    compared as selection compares variants."""
     if candidate.variant != "fp16" or not candidate.accepted or available_providers() != ["CPUExecutionProvider"]:
         return candidate
-    ratio = best_point(candidate.profile).throughput / best_point(fp32.profile).throughput
-    if ratio > 1 + NOISE_MARGIN:
+    fp16, reference = servable_throughput(candidate, slo_ms), servable_throughput(fp32, slo_ms)
+    if fp16 > (1 + NOISE_MARGIN) * reference:
         return candidate
-    return candidate.model_copy(
-        update={"accepted": False, "reason": f"skipped: on CPU fp16 runs at {ratio:.2f}× FP32 throughput"}
-    )
+    speed = f"{fp16 / reference:.2f}× FP32 throughput" if reference else "no batch within the SLO"
+    return candidate.model_copy(update={"accepted": False, "reason": f"skipped: on CPU fp16 runs at {speed}"})
 
 
 def servable_throughput(candidate: Candidate, slo_ms: float) -> float:
@@ -344,7 +343,7 @@ def profile_candidates(
         else c
         for c in candidates
     ]
-    candidates = [_fp16_on_cpu_only(c, candidates[0]) for c in candidates]
+    candidates = [_fp16_on_cpu_only(c, candidates[0], slo_ms) for c in candidates]
     finalists = contenders(candidates, slo_ms, recipe.serving.variant)
     step("profiling (in full, interleaved): " + ", ".join(c.variant for c in finalists))
     full = timed([c.variant for c in finalists], 1.0, FULL_BLOCKS)

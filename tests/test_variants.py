@@ -221,8 +221,16 @@ def test_fp16_on_a_cpu_is_kept_only_if_clearly_faster_than_fp32(
     from pipeline import build as building
 
     monkeypatch.setattr(building, "available_providers", lambda: ["CPUExecutionProvider"])
-    fp16 = building._fp16_on_cpu_only(_profiled("fp16", throughput), _profiled("fp32", 100))
+    fp16 = building._fp16_on_cpu_only(_profiled("fp16", throughput), _profiled("fp32", 100), slo_ms=100)
     assert (fp16.accepted, fp16.reason) == (accepted, reason)
+
+
+def test_fp16_fast_only_at_batches_too_slow_to_serve_is_skipped_on_a_cpu(monkeypatch) -> None:
+    from pipeline import build as building
+
+    monkeypatch.setattr(building, "available_providers", lambda: ["CPUExecutionProvider"])
+    fp16 = building._fp16_on_cpu_only(_profiled("fp16", 150, p99_ms=500), _profiled("fp32", 100), slo_ms=100)
+    assert (fp16.accepted, fp16.reason) == (False, "skipped: on CPU fp16 runs at 0.00× FP32 throughput")
 
 
 def test_registered_labels_and_metadata_of_variants(tiny_text: BuildResult) -> None:
