@@ -26,8 +26,9 @@ DEFAULT_MAX_BYTES = 20 * 1024 * 1024
 # resampled: JPEGs decoded at 1/2, 1/4 or 1/8 scale by libjpeg's scaled IDCT (Pillow's `draft`),
 # others reduced by a whole factor first (`reducing_gap`). Pillow's own two-step reduction, which
 # its documentation calls practically indistinguishable from fair resampling at 3. A 12-megapixel
-# phone photo took 99 ms to decode and crop in full and 35 ms so on 2 cores; over 720 views of the
-# sample photos (0.3-13 megapixels) the FP32 image model's top-1 agreed on 99.9 % (BENCHMARKS.md).
+# phone photo took 99 ms to decode and crop in full and 35 ms so on 2 cores; over 1 080 views of
+# the sample photos (0.3-13 megapixels) the FP32 image model's top-1 agreed on 99.7 %, more than on
+# the same views re-saved as JPEG at quality 95 (98.7 %; BENCHMARKS.md).
 REDUCING_GAP = 3.0
 ORIENTATION_TAG = 0x0112
 TURNED_ORIENTATIONS = frozenset({5, 6, 7, 8})  # EXIF orientations that swap width and height

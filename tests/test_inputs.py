@@ -21,7 +21,14 @@ from serving.errors import (
     UndecodableInput,
     UnsupportedMediaType,
 )
-from serving.images import REDUCING_GAP, check_content_type, decode_image, decode_sized, resize_center_crop
+from serving.images import (
+    ORIENTATION_TAG,
+    REDUCING_GAP,
+    check_content_type,
+    decode_image,
+    decode_sized,
+    resize_center_crop,
+)
 from serving.text import TextTokenizer, check_text_batch, length_groups, pad_batch
 
 
@@ -46,7 +53,7 @@ def phone_photo(orientation: int | None = None) -> bytes:
     buffer = io.BytesIO()
     exif = Image.Exif()
     if orientation is not None:
-        exif[0x0112] = orientation
+        exif[ORIENTATION_TAG] = orientation
     Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90, exif=exif)
     return buffer.getvalue()
 
