@@ -3,6 +3,7 @@ profiled → served variant selected → every accepted artifact in the model st
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pipeline.datasets import Split
 from pipeline.evaluate import run_batched
 from pipeline.export import ServingGraph, export_onnx
 from pipeline.export_check import check_export
+from pipeline.host_load import OtherLoad, cpu_clock, other_load
 from pipeline.profile import (
     FULL_BLOCKS,
     SCREEN_BLOCKS,
@@ -50,6 +52,8 @@ EXPORT_REVISION = "4"
 Step = Callable[[str], None]
 BUILD_STEPS = "build_steps"  # the selected variant's metadata: the steps of the build that made it
 EAGER = "pytorch-eager"
+PROFILE_LOAD = "profile_load"
+log = logging.getLogger(__name__)
 
 
 class StepTime(NamedTuple):
@@ -84,6 +88,7 @@ class BuildResult:
     eager: list[ProfilePoint]
     reused: bool
     steps: list[StepTime] = field(default_factory=list)  # the build's, in order, also when reused
+    load: OtherLoad | None = None  # other work on the machine while the variants were profiled
 
     def route(self, loaded: LoadedRecipe) -> Route:
         serving = loaded.recipe.serving
@@ -227,7 +232,17 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
                     workdir,
                 )
             )
+        started = cpu_clock()
         candidates, chosen, eager = profile_candidates(candidates, task, graph, data, recipe, settings, slo_ms, clock)
+        load = other_load(started, cpu_clock())
+        if load is not None and load.too_busy:
+            log.warning(
+                "%s: profiled while %s: its latencies are inflated and its batching may be too small; "
+                "rebuild on a quiet machine (python -m pipeline %s --force)",
+                recipe.name,
+                load.describe(),
+                loaded.path,
+            )
         batching = choose_batching(
             chosen.profile, slo_ms=slo_ms, max_length=data.spec.text.max_length if data.spec.text else None
         )
@@ -246,6 +261,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             "batching": batching.model_dump(),
             "candidates": [c.model_dump(mode="json", exclude={"path"}) for c in candidates],
             "eager_profile": [p.model_dump() for p in eager],
+            PROFILE_LOAD: load.model_dump() if load else None,
             BUILD_STEPS: [step._asdict() for step in steps],
         }
         stored = {
@@ -263,7 +279,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             for c in candidates
             if c.accepted
         }
-    return BuildResult(stored[chosen.variant], batching, candidates, eager, reused=False, steps=steps)
+    return BuildResult(stored[chosen.variant], batching, candidates, eager, reused=False, steps=steps, load=load)
 
 
 def tune_variants(
@@ -431,4 +447,5 @@ def reuse(name: str, content_hash: str) -> BuildResult | None:
         eager=[ProfilePoint.model_validate(p) for p in metadata["eager_profile"]],
         reused=True,
         steps=[StepTime(**step) for step in metadata.get(BUILD_STEPS, [])],
+        load=OtherLoad.model_validate(metadata[PROFILE_LOAD]) if PROFILE_LOAD in metadata else None,
     )

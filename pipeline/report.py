@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.cascade import CASCADE
+from pipeline.host_load import OtherLoad
 from pipeline.profile import SCREEN_SHARE, Batching, ProfilePoint, best_point, servable
 from pipeline.recipe import Recipe
 from pipeline.tuning import HELD_OUT, Candidate
@@ -180,6 +181,15 @@ def steps_text(steps: list[StepTime]) -> str:
     return f"{heading}\n\n| step | seconds | share |\n|---|---:|---:|\n{rows}\n\n"
 
 
+def load_text(load: OtherLoad | None) -> str:
+    if load is None:
+        return "other work on it not measured"
+    text = f"{load.describe()} while it profiled"
+    if load.too_busy:
+        return text + ": **too busy for a faithful profile; rebuild on a quiet machine with `--force`**"
+    return text
+
+
 def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
     candidates, eager = result.candidates, result.eager
     directory.mkdir(parents=True, exist_ok=True)
@@ -200,7 +210,8 @@ def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
         f"# {recipe.name}\n\n{recipe.description}\n\nServed: `{result.model.tag}` ({served}). "
         f"{batching_text(recipe, result.batching)}\n\n"
         f"{table(recipe, candidates, eager)}\n"
-        f"Profiled on this machine ({describe_cpu()}) through the serving runtime, each variant on its "
+        f"Profiled on this machine ({describe_cpu()}; {load_text(result.load)}) through the serving runtime, "
+        "each variant on its "
         "engine with all cores, on batches drawn at random from real inputs; throughput is rows per "
         "second over all timed calls. Every variant and PyTorch eager were screened together in short "
         f"interleaved blocks ({recipe.profiling.seconds_per_point * SCREEN_SHARE:g} s per batch size); FP32 "

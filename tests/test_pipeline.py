@@ -119,8 +119,10 @@ def test_rerun_of_an_unchanged_recipe_reuses_the_stored_model(
     again = build(default_recipes["image-classifier"])
     assert again.reused
     assert again.model.tag == built_models["image-classifier"].model.tag
-    # The report of a reused build still says where the build that made it spent its time.
+    # The report of a reused build still says where the build that made it spent its time, and how
+    # busy the machine was while it profiled.
     assert again.steps == built_models["image-classifier"].steps
+    assert again.load is not None and again.load == built_models["image-classifier"].load
 
 
 def test_the_report_says_where_the_build_time_went(
@@ -144,6 +146,7 @@ def test_the_report_says_where_the_build_time_went(
     report = write_report(recipe, result, tmp_path).read_text()
     assert f"## Where the build's {sum(step.seconds for step in result.steps):.0f} s went" in report
     assert all(f"| {name} |" in report for name in names)
+    assert f"other processes kept {result.load.busy_cores:.2f} of its {result.load.cores} cores busy" in report
 
 
 def test_the_slowest_steps_fit_one_line_under_the_summary() -> None:

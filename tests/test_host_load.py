@@ -1,0 +1,47 @@
+"""Other work on the machine while the pipeline profiles: measured from the kernel's own counters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipeline.host_load import OtherLoad, cpu_clock, other_load
+from pipeline.report import load_text
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_a_busy_neighbour_is_counted_as_other_work() -> None:
+    spin = "import time\nend = time.monotonic() + 2.5\nwhile time.monotonic() < end: pass"
+    neighbour = subprocess.Popen([sys.executable, "-c", spin])
+    time.sleep(0.3)  # the interpreter's start-up is not the spin
+    start = cpu_clock()
+    time.sleep(1.5)
+    load = other_load(start, cpu_clock())
+    neighbour.wait()
+    assert load is not None
+    assert load.busy_cores == pytest.approx(1.0, abs=0.3)
+    assert load.too_busy
+
+
+def test_the_pipelines_own_work_is_not() -> None:
+    start = cpu_clock()
+    _spin(1.5)
+    load = other_load(start, cpu_clock())
+    assert load is not None
+    assert load.busy_cores < 0.5  # its own core, counted as other work, would read about 1.0
+
+
+def test_a_busy_profile_is_flagged_in_the_report_and_a_quiet_one_is_not() -> None:
+    assert "rebuild on a quiet machine" in load_text(OtherLoad(seconds=90, cores=2, busy_cores=1.1))
+    quiet = load_text(OtherLoad(seconds=90, cores=2, busy_cores=0.04))
+    assert quiet == "other processes kept 0.04 of its 2 cores busy while it profiled"
+    assert load_text(None) == "other work on it not measured"
+    assert other_load(None, cpu_clock()) is None
