@@ -42,6 +42,7 @@ from pipeline.tasks import TASKS, PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT, Candidate, Predict, judge_slices, tune
 from pipeline.variants import KINDS, VariantInputs
 from serving.engine import ENGINE_LABEL, Engine, EngineName, EngineSettings, available_providers, open_engine
+from serving.host import PROFILED_ON, profiled_elsewhere, this_host
 from serving.manifest import Route
 from serving.model_runtime import onnx_runtime
 from serving.model_spec import ONNX_FILE, SPEC_KEY, TEACHER_FILE, ModelSpec
@@ -262,6 +263,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             "candidates": [c.model_dump(mode="json", exclude={"path"}) for c in candidates],
             "eager_profile": [p.model_dump() for p in eager],
             PROFILE_LOAD: load.model_dump() if load else None,
+            PROFILED_ON: this_host().model_dump(),
             BUILD_STEPS: [step._asdict() for step in steps],
         }
         stored = {
@@ -440,6 +442,14 @@ def reuse(name: str, content_hash: str) -> BuildResult | None:
     if model is None:
         return None
     metadata = model.info.metadata
+    moved = profiled_elsewhere(metadata)
+    if moved is None or moved:
+        log.warning(
+            "%s: its stored build was profiled on %s: building it again on this machine",
+            name,
+            f"another machine ({'; '.join(moved)})" if moved else "a machine it did not record",
+        )
+        return None
     return BuildResult(
         model=model,
         batching=Batching.model_validate(metadata["batching"]),

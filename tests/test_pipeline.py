@@ -10,20 +10,22 @@ import onnx
 import pytest
 import torch
 
-from pipeline.build import BuildResult, StepTime, build
+from pipeline.build import BuildResult, StepTime, build, reuse
 from pipeline.build_command import slowest_steps
 from pipeline.datasets import text_split
 from pipeline.export_check import ExportCheckError, check_export, image_batches, text_batches
 from pipeline.profile import runtime_runner, sampler
 from pipeline.recipe import LoadedRecipe
+from pipeline.registry import RECIPE_HASH
 from pipeline.report import write_report
 from pipeline.sources import load_source
 from pipeline.tasks import TASKS
 from sample_inputs import sample_photos
 from serving.artifacts import mismatched_files
 from serving.engine import EngineSettings, OnnxEngine
+from serving.host import this_host
 from serving.manifest import ServingManifest
-from serving.model_runtime import ImageModelRuntime, TextModelRuntime, onnx_runtime, read_spec
+from serving.model_runtime import ImageModelRuntime, TextModelRuntime, load_runtime, onnx_runtime, read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ONNX_FILE, TOKENIZER_FILE, ImageInput
 from serving.text import TextTokenizer, padded_tokens
 
@@ -106,6 +108,8 @@ def test_registered_labels_and_metadata(built_models: dict[str, BuildResult]) ->
     assert len(json.loads((stored_dir(built_models["image-classifier"]) / CLASS_NAMES_FILE).read_text())) == 1000
     text = built_models["text-embedder"].model.info.metadata
     assert text["optiserve"]["text"] == {"max_length": 256, "pad_token_id": 0, "dimensions": 384}
+    # The selected model says where its variant and batching were measured.
+    assert metadata["profiled_on"] == this_host().model_dump()
 
 
 def test_stored_files_match_their_recorded_sha256(built_models: dict[str, BuildResult]) -> None:
@@ -123,6 +127,34 @@ def test_rerun_of_an_unchanged_recipe_reuses_the_stored_model(
     # busy the machine was while it profiled.
     assert again.steps == built_models["image-classifier"].steps
     assert again.load is not None and again.load == built_models["image-classifier"].load
+
+
+def another_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine as another one would report itself: what a store carried between hosts meets."""
+    monkeypatch.setattr("serving.host.cpu_name", lambda: "another CPU")
+
+
+def test_a_build_profiled_on_another_machine_is_built_again_not_reused(
+    built_models: dict[str, BuildResult], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stored = built_models["image-classifier"].model
+    assert reuse(stored.tag.name, stored.info.metadata[RECIPE_HASH]) is not None
+    another_machine(monkeypatch)
+    assert reuse(stored.tag.name, stored.info.metadata[RECIPE_HASH]) is None
+    cpu = stored.info.metadata["profiled_on"]["cpu"]
+    assert f"its stored build was profiled on another machine (cpu {cpu} → another CPU)" in caplog.text
+
+
+def test_the_service_warns_when_it_serves_a_model_profiled_on_another_machine(
+    built_models: dict[str, BuildResult], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stored = built_models["image-classifier"].model
+    load_runtime("/classify", stored, max_batch_size=2, settings=EngineSettings(1))
+    assert "profiled on another machine" not in caplog.text
+    another_machine(monkeypatch)
+    load_runtime("/classify", stored, max_batch_size=2, settings=EngineSettings(1))
+    assert f"/classify: {stored.tag} was profiled on another machine (cpu " in caplog.text
+    assert "python -m pipeline models/image-classifier.yaml --force" in caplog.text
 
 
 def test_the_report_says_where_the_build_time_went(
