@@ -438,18 +438,20 @@ def _clean(value):
 
 
 def reuse(name: str, content_hash: str) -> BuildResult | None:
-    model = find_selected(name, content_hash)
+    """The newest intact build of this recipe content profiled on this machine: a store used on
+    two machines keeps a build for each, and neither rebuilds when the store returns to it."""
+    builds = find_selected(name, content_hash)
+    model = next((m for m in builds if profiled_elsewhere(m.info.metadata) == []), None)
     if model is None:
+        if builds:
+            moved = profiled_elsewhere(builds[0].info.metadata)
+            log.warning(
+                "%s: its stored build was profiled on %s: building it again on this machine",
+                name,
+                f"another machine ({'; '.join(moved)})" if moved else "a machine it did not record",
+            )
         return None
     metadata = model.info.metadata
-    moved = profiled_elsewhere(metadata)
-    if moved is None or moved:
-        log.warning(
-            "%s: its stored build was profiled on %s: building it again on this machine",
-            name,
-            f"another machine ({'; '.join(moved)})" if moved else "a machine it did not record",
-        )
-        return None
     return BuildResult(
         model=model,
         batching=Batching.model_validate(metadata["batching"]),

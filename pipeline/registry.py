@@ -18,17 +18,17 @@ RECIPE_HASH = "recipe_hash"
 STAGING = ".optiserve-staging"
 
 
-def find_selected(name: str, recipe_hash: str) -> bentoml.Model | None:
-    """The newest served variant built from exactly this recipe content whose files still match
-    their sha256, if any. One that does not (a registration killed while BentoML copied it into
+def find_selected(name: str, recipe_hash: str) -> list[bentoml.Model]:
+    """The served variants built from exactly this recipe content whose files still match their
+    sha256, newest first. One that does not (a registration killed while BentoML copied it into
     the store, a file damaged since) is never reused: the recipe is built again."""
     try:
         stored = bentoml.models.list(name)
     except bentoml.exceptions.NotFound:
-        return None
+        return []
     matches = [m for m in stored if m.info.metadata.get(RECIPE_HASH) == recipe_hash and m.info.metadata.get("selected")]
     intact = [m for m in matches if not mismatched_files(m)]
-    return max(intact, key=lambda m: m.info.creation_time, default=None)
+    return sorted(intact, key=lambda m: m.info.creation_time, reverse=True)
 
 
 def register(name: str, files: dict[str, Path], *, labels: dict[str, str], metadata: dict) -> bentoml.Model:

@@ -10,13 +10,12 @@ import onnx
 import pytest
 import torch
 
-from pipeline.build import BuildResult, StepTime, build, reuse
+from pipeline.build import BuildResult, StepTime, build
 from pipeline.build_command import slowest_steps
 from pipeline.datasets import text_split
 from pipeline.export_check import ExportCheckError, check_export, image_batches, text_batches
 from pipeline.profile import runtime_runner, sampler
 from pipeline.recipe import LoadedRecipe
-from pipeline.registry import RECIPE_HASH
 from pipeline.report import write_report
 from pipeline.sources import load_source
 from pipeline.tasks import TASKS
@@ -132,17 +131,6 @@ def test_rerun_of_an_unchanged_recipe_reuses_the_stored_model(
 def another_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """This machine as another one would report itself: what a store carried between hosts meets."""
     monkeypatch.setattr("serving.host.cpu_name", lambda: "another CPU")
-
-
-def test_a_build_profiled_on_another_machine_is_built_again_not_reused(
-    built_models: dict[str, BuildResult], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    stored = built_models["image-classifier"].model
-    assert reuse(stored.tag.name, stored.info.metadata[RECIPE_HASH]) is not None
-    another_machine(monkeypatch)
-    assert reuse(stored.tag.name, stored.info.metadata[RECIPE_HASH]) is None
-    cpu = stored.info.metadata["profiled_on"]["cpu"]
-    assert f"its stored build was profiled on another machine (cpu {cpu} → another CPU)" in caplog.text
 
 
 def test_the_service_warns_when_it_serves_a_model_profiled_on_another_machine(

@@ -19,6 +19,7 @@ from pipeline.profile import SCREEN_SHARE
 from pipeline.recipe import RecipeError, load_recipe
 from pipeline.tasks import TASKS
 from pipeline.variants import KINDS, VariantInputs
+from serving.cpu import cpu_name
 
 TINY_PROFILE = {"max_batch_size": 4, "seconds_per_point": 0.1}
 
@@ -343,6 +344,22 @@ def test_rerun_reuses_every_stored_variant(tiny_text: BuildResult, tiny_text_rec
     again = build(load_recipe(write(tmp_path / "tiny-embedder.yaml", tiny_text_recipe)))
     assert again.reused and again.model.tag == tiny_text.model.tag
     assert [c.variant for c in again.candidates] == [c.variant for c in tiny_text.candidates]
+
+
+def test_a_store_shared_by_two_machines_keeps_a_build_for_each(
+    tiny_text_recipe: dict, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A variant and batching chosen on one machine can be wrong on another: each is built where it serves."""
+    recipe = {**tiny_text_recipe, "name": "tiny-two-machines", "variants": []}
+    loaded = load_recipe(write(tmp_path / "tiny-two-machines.yaml", recipe))
+    here = build(loaded)
+    monkeypatch.setattr("serving.host.cpu_name", lambda: "another CPU")
+    there = build(loaded)
+    assert not there.reused and there.model.tag != here.model.tag
+    assert f"its stored build was profiled on another machine (cpu {cpu_name()} → another CPU)" in caplog.text
+    assert build(loaded).model.tag == there.model.tag
+    monkeypatch.undo()
+    assert build(loaded).model.tag == here.model.tag
 
 
 def test_a_recipe_changed_only_in_serving_reuses_its_models_and_serves_the_new_settings(
