@@ -42,7 +42,7 @@ class OtherLoad(BaseModel):
         return self.busy_cores > BUSY_SHARE * self.cores
 
     def describe(self) -> str:
-        return f"other processes kept {self.busy_cores:.2f} of its {self.cores} cores busy"
+        return f"other processes kept {self.busy_cores:.2f} of the machine's {self.cores} cores busy"
 
 
 def cpu_clock() -> CpuClock | None:

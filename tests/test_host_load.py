@@ -42,6 +42,6 @@ def test_the_pipelines_own_work_is_not() -> None:
 def test_a_busy_profile_is_flagged_in_the_report_and_a_quiet_one_is_not() -> None:
     assert "rebuild on a quiet machine" in load_text(OtherLoad(seconds=90, cores=2, busy_cores=1.1))
     quiet = load_text(OtherLoad(seconds=90, cores=2, busy_cores=0.04))
-    assert quiet == "other processes kept 0.04 of its 2 cores busy while it profiled"
+    assert quiet == "other processes kept 0.04 of the machine's 2 cores busy while it profiled"
     assert load_text(None) == "other work on it not measured"
     assert other_load(None, cpu_clock()) is None
