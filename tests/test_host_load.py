@@ -6,8 +6,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from pipeline.host_load import OtherLoad, cpu_clock, other_load
 from pipeline.report import load_text
 
@@ -27,16 +25,20 @@ def test_a_busy_neighbour_is_counted_as_other_work() -> None:
     load = other_load(start, cpu_clock())
     neighbour.wait()
     assert load is not None
-    assert load.busy_cores == pytest.approx(1.0, abs=0.3)
+    assert load.busy_cores >= 0.7  # a core, less its start-up and what the kernel lends to us; more if others run
     assert load.too_busy
 
 
 def test_the_pipelines_own_work_is_not() -> None:
     start = cpu_clock()
+    time.sleep(1.5)
+    idle = other_load(start, cpu_clock())
+    start = cpu_clock()
     _spin(1.5)
-    load = other_load(start, cpu_clock())
-    assert load is not None
-    assert load.busy_cores < 0.5  # its own core, counted as other work, would read about 1.0
+    spinning = other_load(start, cpu_clock())
+    assert idle is not None and spinning is not None
+    # Its own core, counted as other work, would read about 1.0 above what the others took anyway.
+    assert spinning.busy_cores < idle.busy_cores + 0.5
 
 
 def test_a_busy_profile_is_flagged_in_the_report_and_a_quiet_one_is_not() -> None:
