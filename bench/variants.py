@@ -102,8 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from pipeline.host_load import cpu_clock, other_load
+    from serving.cpu import describe_cpu
+    from serving.host import this_host
+
+    started = cpu_clock()
     rows = [row for name in args.models for row in measure(name, args)]
-    table = Table(title=f"variants against FP32 at batch {args.batch} (text rows: {args.sequence_length} tokens)")
+    load = other_load(started, cpu_clock())
+    table = Table(
+        title=f"variants against FP32 at batch {args.batch} (text rows: {args.sequence_length} tokens)",
+        caption=f"{describe_cpu()}; {load.describe() if load else 'other work not measured'}",
+    )
     for column in ("model", "variant", "engine", "precision", "p50 ms", "rows/s", "× ORT FP32", "× engine's FP32"):
         table.add_column(column, justify="right")
     for row in rows:
@@ -120,7 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=140).print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"variants-{datetime.now():%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2) + "\n")
+    run = {
+        "settings": vars(args) | {"out": str(args.out)},
+        "machine": this_host().model_dump(),
+        "other_work": load.model_dump() if load else None,
+        "rows": rows,
+    }
+    path.write_text(json.dumps(run, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

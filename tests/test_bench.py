@@ -28,8 +28,11 @@ def test_variants_bench_times_a_run_against_its_fp32(built_models, tmp_path) -> 
     assert main([tag, "--batch", "2", "--sequence-length", "16", "--seconds", "0.2", "--out", str(tmp_path)]) == 0
 
     (written,) = tmp_path.glob("variants-*.json")
-    rows = json.loads(written.read_text())["rows"]
+    run = json.loads(written.read_text())
+    rows = run["rows"]
     assert rows[0]["variant"] == "fp32"
+    # Whose figures these are: the machine, and how much of it other work took meanwhile.
+    assert run["machine"]["isa"] == rows[0]["isa"] and run["other_work"]["busy_cores"] >= 0
     assert {row["model"].split(":")[0] for row in rows} == {"text-embedder"}
     fp32 = rows[0]
     assert fp32["speedup_vs_fp32"] == 1.0 and fp32["rows_per_s"] > 0 and fp32["batch"] == 2
