@@ -63,6 +63,9 @@ class VariantKind:
     doc: str
     requires: str | None = None  # a kind whose accepted graph this one builds on
     engine: EngineName = "onnxruntime"  # what evaluates, profiles and serves it
+    # Why this machine cannot run the kind as meant, or None: such a kind is not built, and its
+    # reason reported, rather than tried and failed with a warning on every build.
+    unavailable: Callable[[], str | None] = lambda: None
 
 
 KINDS: dict[str, VariantKind] = {}
@@ -74,9 +77,11 @@ def kind(
     configs: Callable[[VariantInputs], list[dict[str, Any]]],
     requires: str | None = None,
     engine: EngineName = "onnxruntime",
+    unavailable: Callable[[], str | None] = lambda: None,
 ):
     def register(build: Callable[[VariantInputs, dict[str, Any], Path], None]):
-        KINDS[name] = VariantKind(name, precision, configs, build, (build.__doc__ or "").strip(), requires, engine)
+        doc = (build.__doc__ or "").strip()
+        KINDS[name] = VariantKind(name, precision, configs, build, doc, requires, engine, unavailable)
         return build
 
     return register

@@ -36,15 +36,19 @@ def _openvino(inputs: VariantInputs, config: dict, out: Path) -> None:
     shutil.copyfile(inputs.fp32, out)
 
 
-@kind("openvino-bf16", "bf16", lambda inputs: [{}], engine="openvino-bf16")
+def _without_bf16() -> str | None:
+    if has_bf16():
+        return None
+    return (
+        "this CPU has no bf16 instructions (amx_bf16 or avx512_bf16): OpenVINO would compute in f32, "
+        "which the `openvino` variant already is"
+    )
+
+
+@kind("openvino-bf16", "bf16", lambda inputs: [{}], engine="openvino-bf16", unavailable=_without_bf16)
 def _openvino_bf16(inputs: VariantInputs, config: dict, out: Path) -> None:
     """The FP32 export computed by OpenVINO in bf16 (AMX or AVX512_BF16 matrix units): no
     calibration, and usually within a fraction of a point of FP32, which the gate checks."""
-    if not has_bf16():
-        raise ValueError(
-            "this CPU has no bf16 instructions (amx_bf16 or avx512_bf16): OpenVINO would compute "
-            "in f32, which the `openvino` variant already is"
-        )
     shutil.copyfile(inputs.fp32, out)
 
 
