@@ -21,7 +21,7 @@ from pipeline.datasets import Split
 from pipeline.evaluate import run_batched
 from pipeline.export import ServingGraph, export_onnx
 from pipeline.export_check import check_export
-from pipeline.host_load import OtherLoad, cpu_clock, other_load
+from pipeline.host_load import cpu_clock, other_load
 from pipeline.profile import (
     FULL_BLOCKS,
     SCREEN_BLOCKS,
@@ -42,7 +42,7 @@ from pipeline.tasks import TASKS, PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT, Candidate, Predict, judge_slices, tune
 from pipeline.variants import KINDS, VariantInputs
 from serving.engine import ENGINE_LABEL, Engine, EngineName, EngineSettings, available_providers, open_engine
-from serving.host import PROFILED_ON, profiled_elsewhere, this_host
+from serving.host import PROFILE_LOAD, PROFILED_ON, OtherLoad, profiled_elsewhere, this_host
 from serving.manifest import Route
 from serving.model_runtime import onnx_runtime
 from serving.model_spec import ONNX_FILE, SPEC_KEY, TEACHER_FILE, ModelSpec
@@ -53,7 +53,6 @@ EXPORT_REVISION = "4"
 Step = Callable[[str], None]
 BUILD_STEPS = "build_steps"  # the selected variant's metadata: the steps of the build that made it
 EAGER = "pytorch-eager"
-PROFILE_LOAD = "profile_load"
 log = logging.getLogger(__name__)
 
 

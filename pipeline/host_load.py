@@ -14,11 +14,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from pydantic import BaseModel
+from serving.host import OtherLoad
 
-# Other work on more than this share of the cores slows a profile by more than selection's 5 %
-# noise margin (pipeline/build.py): its batching is then chosen from inflated latencies.
-BUSY_SHARE = 0.1
 # /proc/stat's columns after "cpu": user nice system idle iowait irq softirq steal guest guest_nice;
 # guest time is counted in user already.
 _BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
@@ -28,21 +25,6 @@ class CpuClock(NamedTuple):
     wall: float
     machine_busy: float  # CPU-seconds every core of the machine spent busy since boot
     own: float  # CPU-seconds this process has used
-
-
-class OtherLoad(BaseModel):
-    """Other work's share of the machine over a stretch of the pipeline's time."""
-
-    seconds: float
-    cores: int
-    busy_cores: float  # mean cores other processes kept busy
-
-    @property
-    def too_busy(self) -> bool:
-        return self.busy_cores > BUSY_SHARE * self.cores
-
-    def describe(self) -> str:
-        return f"other processes kept {self.busy_cores:.2f} of the machine's {self.cores} cores busy"
 
 
 def cpu_clock() -> CpuClock | None:

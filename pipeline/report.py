@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.cascade import CASCADE
-from pipeline.host_load import OtherLoad
 from pipeline.profile import SCREEN_SHARE, Batching, ProfilePoint, best_point, servable
 from pipeline.recipe import Recipe
 from pipeline.tuning import HELD_OUT, Candidate
 from serving.cpu import describe_cpu
+from serving.host import OtherLoad
 
 if TYPE_CHECKING:
     from pipeline.build import BuildResult, StepTime

@@ -12,7 +12,7 @@ import numpy as np
 from serving.artifacts import check_artifacts
 from serving.cpu import describe_cpu
 from serving.engine import ENGINE_LABEL, EngineSettings, open_engine
-from serving.host import profiled_elsewhere
+from serving.host import profile_doubts
 from serving.model_spec import ONNX_FILE, SPEC_KEY, ModelSpec, Task
 from serving.text import length_groups, pad_batch
 
@@ -161,13 +161,13 @@ def load_runtime(
     sha256 first, warmed up at the batch sizes it will see (text: within `max_batch_tokens`)."""
     check_artifacts(stored)
     logger.info("%s: %s runs on %s (%s)", endpoint, stored.tag, engine_of(stored), describe_cpu())
-    if moved := profiled_elsewhere(stored.info.metadata):
+    if doubts := profile_doubts(stored.info.metadata):
         logger.warning(
-            "%s: %s was profiled on another machine (%s): its variant and batching were chosen for that one; "
-            "build its recipe again here (python -m pipeline models/%s.yaml --force)",
+            "%s: %s: %s: its variant and batching may not suit this machine; build its recipe again here, "
+            "on a quiet machine (python -m pipeline models/%s.yaml --force)",
             endpoint,
             stored.tag,
-            "; ".join(moved),
+            " and ".join(doubts),
             stored.tag.name,
         )
     spec = read_spec(stored.info.metadata)

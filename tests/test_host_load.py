@@ -6,8 +6,9 @@ import subprocess
 import sys
 import time
 
-from pipeline.host_load import OtherLoad, cpu_clock, other_load
+from pipeline.host_load import cpu_clock, other_load
 from pipeline.report import load_text
+from serving.host import OtherLoad
 
 
 def _spin(seconds: float) -> None:

@@ -141,7 +141,7 @@ def test_the_service_warns_when_it_serves_a_model_profiled_on_another_machine(
     assert "profiled on another machine" not in caplog.text
     another_machine(monkeypatch)
     load_runtime("/classify", stored, max_batch_size=2, settings=EngineSettings(1))
-    assert f"/classify: {stored.tag} was profiled on another machine (cpu " in caplog.text
+    assert f"/classify: {stored.tag}: it was profiled on another machine (cpu " in caplog.text
     assert "python -m pipeline models/image-classifier.yaml --force" in caplog.text
 
 
