@@ -181,7 +181,10 @@ def parse_deadline_ms(value: str | None) -> float | None:
 
 def closing(scope: Scope) -> dict[str, str]:
     """The header that closes the connection after an answer sent from here, where the request's
-    body is too large to be worth receiving, or of a length not declared (chunked).
+    body is too large to be worth receiving, or of a length not declared (chunked), or will never
+    come: a client that sent `Expect: 100-continue` (curl does for bodies over 1 MB) sends its body
+    only when the server asks for it, which uvicorn does when the app first reads it; refused
+    here, the body is never sent, and the connection cannot serve on (RFC 9110 §10.1.1).
 
     Answers from here go out before the body is read; the server (uvicorn) discards the rest as it
     arrives and the connection serves on. Reading it first, as the door once did, kept a refusal in
@@ -191,7 +194,8 @@ def closing(scope: Scope) -> dict[str, str]:
     length = next((value for key, value in scope["headers"] if key == b"content-length"), None)
     chunked = any(key == b"transfer-encoding" for key, _ in scope["headers"])
     too_large = chunked or (length is not None and (not length.isdigit() or int(length) > DISCARD_LIMIT_BYTES))
-    return {"Connection": "close"} if too_large else {}
+    awaits_continue = any(key == b"expect" and value.lower() == b"100-continue" for key, value in scope["headers"])
+    return {"Connection": "close"} if too_large or awaits_continue else {}
 
 
 async def refuse(send: Send, refusal: Refused, scope: Scope) -> None:

@@ -66,13 +66,16 @@ def test_a_refused_requests_connection_serves_on_unless_its_body_is_huge_or_of_u
             small = await client.post("/classify", content=b"x" * 300_000)
             huge = await client.post("/classify", content=b"x" * (DISCARD_LIMIT_BYTES + 300_000))
             chunked = await client.post("/classify", content=chunks())
-        return small, huge, chunked
+            expecting = await client.post("/classify", content=b"x" * 300_000, headers={"Expect": "100-continue"})
+        return small, huge, chunked, expecting
 
-    small, huge, chunked = asyncio.run(scenario())
+    small, huge, chunked, expecting = asyncio.run(scenario())
 
-    assert small.status_code == huge.status_code == chunked.status_code == 429
+    assert small.status_code == huge.status_code == chunked.status_code == expecting.status_code == 429
     assert "connection" not in small.headers
     assert huge.headers["connection"] == chunked.headers["connection"] == "close"
+    # Its client sends the body only once asked to: refused unread, it never comes.
+    assert expecting.headers["connection"] == "close"
 
 
 def test_the_guard_is_asked_with_the_clients_deadline_and_id_and_a_malformed_deadline_is_left_to_the_handler() -> None:

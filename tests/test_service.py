@@ -304,6 +304,43 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_and_the_next
     assert after == before + 1
 
 
+def expect_continue_exchange(url: str, body: bytes, headers: dict[str, str]) -> tuple[bytes, bytes]:
+    """A POST /classify as curl sends a body over 1 MB: its head with `Expect: 100-continue`, the
+    body only once the server answers 100. Returns the interim answer and the final one, read
+    until the server closes the connection (a socket timeout if it never does)."""
+    parts = urlsplit(url)
+    fields = {"Content-Length": str(len(body)), "Expect": "100-continue", **headers}
+    head = "POST /classify HTTP/1.1\r\nHost: test\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall((head + "\r\n").encode("latin-1"))
+        first = sock.recv(65536)
+        interim, final = (first, b"") if first.startswith(b"HTTP/1.1 100 ") else (b"", first)
+        if interim:
+            sock.sendall(body)
+        while chunk := sock.recv(65536):
+            final += chunk
+    return interim, final
+
+
+def test_a_client_expecting_100_continue_is_refused_before_it_uploads_and_asked_for_its_body_when_let_in(
+    server,
+) -> None:
+    """Refused at the door, the photo is never sent, and the connection closes (its body will not
+    come); let in, the server asks for the body when it reads it."""
+    photo = sample_photos()["chelsea"]
+    with server.client() as client:
+        assert client.post("/classify", content=photo, headers=JPEG).status_code == 200  # the engine's speed, measured
+
+    interim, refused = expect_continue_exchange(server.url, photo, {**JPEG, "X-Deadline-Ms": "1"})
+    assert interim == b""
+    assert refused.startswith(b"HTTP/1.1 503 ") and b"\r\nconnection: close\r\n" in refused.lower()
+    assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["type"] == "overloaded"
+
+    interim, served = expect_continue_exchange(server.url, photo, {**JPEG, "Connection": "close"})
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert served.startswith(b"HTTP/1.1 200 ") and b'"label"' in served
+
+
 def test_a_low_priority_request_is_served_on_an_idle_service_and_a_bad_priority_named(server) -> None:
     photo = sample_photos()["chelsea"]
     with server.client() as client:
