@@ -27,7 +27,9 @@ answered, refused or not, the worst case for the service (serving/door.py holds 
 with `--honour-retry-after` a refused client waits as long as its Retry-After asks, then
 retries the same request with the same `X-Request-ID`, as SDKs do, and with `--retry-jitter-s`
 up to that much longer at random, as their retry policies do: clients refused together then no
-longer come back together, in bursts that queue on the event loop.
+longer come back together, in bursts that queue on the event loop. `--phone-photos` sends /classify the
+sample photos as phones upload them (12 megapixels, 1.5–2 MB each), whose decoding outweighs
+their inference.
 A table, JSON and a timeline plot per endpoint go to reports/bench/.
 """
 
@@ -81,6 +83,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="with --honour-retry-after: a refused client waits up to this much longer, at random, as SDKs do",
+    )
+    parser.add_argument(
+        "--phone-photos",
+        action="store_true",
+        help="send the sample photos as phones upload them (12-megapixel JPEGs, 1.5–2 MB) instead of as shipped",
     )
     parser.add_argument("--unloaded-s", type=float, default=10.0)
     parser.add_argument("--recovery-s", type=float, default=6.0)
@@ -466,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from bench.serving import MODELS, Samples, model_names, served_run
 
-    samples = Samples()
+    samples = Samples(phone_photos=args.phone_photos)
     with served_run(args, "overload") as run:
         results = run.record | {"models": {}}
         for name in model_names(args):

@@ -101,11 +101,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 class Samples:
-    """What every bench sends: the sample photos and SAMPLE_TEXTS corpus sentences, each made
-    when a bench first asks (the bulk bench sends no photo)."""
+    """What every bench sends: the sample photos (or, `phone_photos`, the same at a phone camera's
+    12 megapixels) and SAMPLE_TEXTS corpus sentences, each made when a bench first asks (the bulk
+    bench sends no photo)."""
+
+    def __init__(self, *, phone_photos: bool = False) -> None:
+        self.phone_photos = phone_photos
 
     @cached_property
     def files(self) -> dict[str, bytes]:
+        if self.phone_photos:
+            from sample_inputs import phone_photos
+
+            return {f"{name}.jpg": data for name, data in phone_photos().items()}
         from loadtest.inputs import sample_photo_files
 
         return sample_photo_files()

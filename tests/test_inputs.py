@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sample_inputs import encode, sample_photos
+from sample_inputs import as_phone_photo, encode, sample_photos
 from serving.api import error_answer
 from serving.errors import (
     DeadlineUnmet,
@@ -48,14 +48,10 @@ def test_real_photos_decode_to_rgb_at_model_size() -> None:
 
 def phone_photo(orientation: int | None = None) -> bytes:
     """A sample photo at a phone camera's 4032 × 3024, with sensor-like noise, as a JPEG."""
-    image = Image.open(io.BytesIO(sample_photos()["chelsea"])).convert("RGB").resize((4032, 3024), Image.BICUBIC)
-    noisy = np.asarray(image) + np.random.default_rng(0).normal(0, 3, (3024, 4032, 3))
-    buffer = io.BytesIO()
     exif = Image.Exif()
     if orientation is not None:
         exif[ORIENTATION_TAG] = orientation
-    Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90, exif=exif)
-    return buffer.getvalue()
+    return as_phone_photo(sample_photos()["chelsea"], size=(4032, 3024), exif=exif)
 
 
 def test_a_phone_photo_is_decoded_at_reduced_scale_into_what_full_decoding_gives() -> None:
