@@ -24,6 +24,10 @@ import httptools
 # timeout_keep_alive), and a request written as it does so is answered with a reset (seen under a
 # flood of clients waiting out a Retry-After), an error of the load tester's, not the server's.
 KEEPALIVE_S = 4.0
+# A request whose head asks `Expect: 100-continue` (curl's way with bodies over 1 MB) sends its body
+# once the server answers 100, or after this long without an answer, as curl does.
+EXPECT_CONTINUE = b"\r\nExpect: 100-continue\r\n"
+EXPECT_WAIT_S = 1.0
 # The Server-Timing step of a refusal the server held because its client came back before its
 # last Retry-After (optiserve's door): such a refusal is slow by design, not for want of capacity.
 HELD_TIMING = re.compile(rb"(?:^|,)\s*held;")
@@ -92,6 +96,7 @@ class Connection(asyncio.Protocol):
         self.body: list[bytes] = []
         self.retry_after: str | None = None
         self.server_timing = b""
+        self.unsent_body: bytes | None = None  # held for the server's 100 Continue
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -118,12 +123,20 @@ class Connection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        if not self.parser.should_keep_alive():
-            self.close()
+        if self.parser.get_status_code() == 100:  # interim: the server asks for the body
+            self.send_body()
+            return
+        if self.unsent_body is not None or not self.parser.should_keep_alive():
+            self.close()  # a body never sent leaves the connection unusable
         if self.waiter is not None and not self.waiter.done():
             status = self.parser.get_status_code()
             response = Response(status, b"".join(self.body), self.retry_after, self.server_timing)
             self.waiter.set_result(response)
+
+    def send_body(self) -> None:
+        if self.unsent_body is not None and self.transport is not None and not self.closed:
+            self.transport.write(self.unsent_body)
+        self.unsent_body = None
 
     def fail(self, exc: BaseException) -> None:
         """Give up on the connection: a response that may still come would answer the next request."""
@@ -145,6 +158,12 @@ class Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self.waiter, self.body, self.retry_after, self.server_timing = loop.create_future(), [], None, b""
         timer = loop.call_later(timeout, self.fail, TimeoutError())
+        head_end = data.find(b"\r\n\r\n") + 4
+        expects = EXPECT_CONTINUE in data[:head_end]
+        self.unsent_body = data[head_end:] if expects else None
+        if expects:
+            data = data[:head_end]
+        patience = loop.call_later(EXPECT_WAIT_S, self.send_body) if expects else None
         self.transport.write(data)
         try:
             return await self.waiter
@@ -153,6 +172,8 @@ class Connection(asyncio.Protocol):
             raise
         finally:
             timer.cancel()
+            if patience is not None:
+                patience.cancel()
             self.waiter = None
 
 

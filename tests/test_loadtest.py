@@ -10,7 +10,9 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -120,6 +122,57 @@ def test_sweep_counts_statuses_and_latencies_on_kept_alive_connections(tiny_serv
     assert all(abs(count - result.ok) <= 3 for count in result.errors.values())
     assert result.ok > 10 and 20 <= result.latency_ms.p50 < 200, "successes are the ones that sleep 20 ms"
     assert len(tiny_server.connections) == 3, "three workers, each on one kept-alive connection"
+
+
+async def _refuse_unread_or_read(scope, receive, send) -> None:
+    """An ASGI app: /read reads the body (uvicorn then answers 100 Continue) and says its length;
+    any other path is refused without reading it, as optiserve's door refuses."""
+    body, more = b"", scope["path"] == "/read"
+    while more:
+        message = await receive()
+        body, more = body + message.get("body", b""), message.get("more_body", False)
+    answer = str(len(body)).encode()
+    head = [(b"content-length", str(len(answer)).encode())]
+    await send({"type": "http.response.start", "status": 200 if scope["path"] == "/read" else 503, "headers": head})
+    await send({"type": "http.response.body", "body": answer})
+
+
+@pytest.fixture()
+def uvicorn_url() -> Iterator[str]:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(_refuse_unread_or_read, port=free_port(), lifespan="off", log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{server.config.port}"
+    server.should_exit = True
+    thread.join()
+
+
+def test_a_request_expecting_100_continue_sends_its_body_only_when_the_server_asks(uvicorn_url: str) -> None:
+    """As curl sends a body over 1 MB: refused unread, the request is answered at once and its
+    body never sent (its connection is not reused); read, it is sent on the server's 100 Continue."""
+    body = b"x" * 2_000_000
+    expect = {"Expect": "100-continue"}
+
+    async def scenario() -> tuple[float, list, float, list, int]:
+        pool = Pool(uvicorn_url, timeout=10)
+        started = time.monotonic()
+        refused = await pool.request(request_bytes(f"{uvicorn_url}/refuse", "POST", body, "image/jpeg", expect))
+        refused_s, idle_after_refusal = time.monotonic() - started, list(pool.idle)
+        started = time.monotonic()
+        read = await pool.request(request_bytes(f"{uvicorn_url}/read", "POST", body, "image/jpeg", expect))
+        read_s = time.monotonic() - started
+        pool.close()
+        return refused_s, [refused.status, refused.body], read_s, [read.status, read.body], len(idle_after_refusal)
+
+    refused_s, refused, read_s, read, idle_after_refusal = uvloop.run(scenario())
+
+    assert refused == [503, b"0"] and idle_after_refusal == 0
+    assert read == [200, str(len(body)).encode()]
+    assert refused_s < 0.5 and read_s < 0.5  # neither waited out the client's 1 s patience
 
 
 def test_pool_reuses_connections_and_replaces_closed_or_timed_out_ones(tiny_server) -> None:
