@@ -439,11 +439,11 @@ def _clean(value):
 def reuse(name: str, content_hash: str) -> BuildResult | None:
     """The newest intact build of this recipe content profiled on this machine: a store used on
     two machines keeps a build for each, and neither rebuilds when the store returns to it."""
-    builds = find_selected(name, content_hash)
-    model = next((m for m in builds if profiled_elsewhere(m.info.metadata) == []), None)
+    builds = [(m, profiled_elsewhere(m.info.metadata)) for m in find_selected(name, content_hash)]
+    model = next((m for m, moved in builds if moved == []), None)
     if model is None:
         if builds:
-            moved = profiled_elsewhere(builds[0].info.metadata)
+            moved = builds[0][1]
             log.warning(
                 "%s: its stored build was profiled on %s: building it again on this machine",
                 name,
