@@ -5,7 +5,9 @@ against one `bentoml serve` of the manifest's models:
 
 1. unloaded: concurrency 1 → p50/p99, the reference for recovery;
 2. knee: a closed-loop sweep (loadtest) → the best throughput with p99 within the SLO;
-3. flood: `--factor` × the knee's concurrency for `--flood-s` seconds → goodput (200s per
+3. flood: `--factor` × the knee's concurrency for `--flood-s` seconds, the lowest concurrency
+   within 5 % of the knee's throughput (on a flat curve the best level is wherever the noise
+   puts it: /embed's knee read 2 clients in one sweep, 128 in the next) → goodput (200s per
    second, and those on time, within the SLO: a late answer is of no use to a client that gave
    up on it), the accepted requests' p99 against the SLO, the refusals' p99 and their statuses,
    and apart those answered at once (not held for an early retry: their `Server-Timing` has no
@@ -69,7 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=",".join(f"{level:g}" for level in CONCURRENCY_LEVELS),
         help="sweep levels that find the knee",
     )
-    parser.add_argument("--factor", type=float, default=4.0, help="flood concurrency = factor × the knee's")
+    parser.add_argument(
+        "--factor", type=float, default=4.0, help="flood concurrency = factor × the knee's (where it saturates)"
+    )
     parser.add_argument("--flood-concurrency", type=int, help="a fixed flood concurrency instead (e.g. 256)")
     parser.add_argument("--flood-s", type=float, default=60.0)
     parser.add_argument(
@@ -368,7 +372,7 @@ def measure_endpoint(
     knee = sweep(tuple(float(c) for c in args.concurrency.split(",")), 1.0, 2.0).knee
     if knee is None or unloaded is None:
         raise RuntimeError(f"{url}: no level within the SLO of {slo_ms} ms; nothing to flood")
-    concurrency = args.flood_concurrency or max(1, round(args.factor * knee.level))
+    concurrency = args.flood_concurrency or max(1, round(args.factor * knee.saturated_at))
     print(f"flooding {url} at concurrency {concurrency} for {args.flood_s:g} s …", file=sys.stderr)
     headers = {"X-Deadline-Ms": str(args.deadline_ms)} if args.deadline_ms else {}
     if args.expect_continue:
@@ -391,7 +395,12 @@ def measure_endpoint(
     return {
         "slo_ms": slo_ms,
         "unloaded": asdict(unloaded),
-        "knee": {"concurrency": knee.level, "throughput": knee.throughput, "p99_ms": knee.p99_ms},
+        "knee": {
+            "concurrency": knee.level,
+            "throughput": knee.throughput,
+            "p99_ms": knee.p99_ms,
+            "saturated_at": knee.saturated_at,
+        },
         "flood": asdict(flood),
         "targets": verdicts(knee.throughput, unloaded.p99, slo_ms, flood),
     }
@@ -406,7 +415,7 @@ def print_summary(results: dict[str, Any]) -> None:
     table = Table(title="overload: a flood at factor × the knee's concurrency")
     for column in (
         "model",
-        "knee req/s (conc.)",
+        "knee req/s (conc.; saturated from)",
         "flood conc.",
         "goodput req/s (on time)",
         "accepted p99 ms: client, in server (SLO)",
@@ -421,7 +430,7 @@ def print_summary(results: dict[str, Any]) -> None:
         flood = r["flood"]
         table.add_row(
             model,
-            f"{r['knee']['throughput']:.1f} ({r['knee']['concurrency']:g})",
+            f"{r['knee']['throughput']:.1f} ({r['knee']['concurrency']:g}; {r['knee']['saturated_at']:g})",
             str(flood["concurrency"]),
             f"{flood['goodput']:.1f} ({flood['on_time']:.1f})",
             f"{number_text(flood['accepted_p99_ms'])}, {number_text(flood['accepted_server_p99_ms'])}"

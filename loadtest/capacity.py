@@ -17,12 +17,20 @@ class Point:
     error_rate: float
 
 
+# Levels within this share of the best throughput are on the plateau: one window's noise apart.
+PLATEAU_SHARE = 0.95
+
+
 @dataclass(frozen=True)
 class Knee:
     level: float
     throughput: float
     p99_ms: float
     slo_ms: float
+    # The lowest level already on the plateau: where added load stops adding throughput. On a
+    # flat curve the best level is wherever noise puts it (one server's text sweeps put it at 2
+    # and at 128 clients), so a load scaled from the knee (bench.overload's flood) scales from this.
+    saturated_at: float
 
 
 def find_knee(points: Sequence[Point], *, slo_ms: float, max_error_rate: float = 0.0) -> Knee | None:
@@ -31,7 +39,8 @@ def find_knee(points: Sequence[Point], *, slo_ms: float, max_error_rate: float =
     if not eligible:
         return None
     best = max(eligible, key=lambda p: (p.throughput, -p.level))
-    return Knee(level=best.level, throughput=best.throughput, p99_ms=best.p99_ms, slo_ms=slo_ms)
+    plateau = min(p.level for p in eligible if p.throughput >= PLATEAU_SHARE * best.throughput)
+    return Knee(level=best.level, throughput=best.throughput, p99_ms=best.p99_ms, slo_ms=slo_ms, saturated_at=plateau)
 
 
 @dataclass(frozen=True)

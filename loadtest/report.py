@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from loadtest.capacity import PLATEAU_SHARE
 from loadtest.sweep import SweepResult
 
 
@@ -63,7 +64,8 @@ def print_report(result: SweepResult, console: Console) -> None:
         console.print(f"[red]no level met p99 ≤ {result.settings.slo_ms:g} ms without errors: no knee[/red]")
         return
     console.print(
-        f"knee: {knee.throughput:.1f} req/s at level {knee.level:g} (p99 {knee.p99_ms:.1f} ms ≤ SLO {knee.slo_ms:g} ms)"
+        f"knee: {knee.throughput:.1f} req/s at level {knee.level:g} (p99 {knee.p99_ms:.1f} ms ≤ SLO "
+        f"{knee.slo_ms:g} ms); within {PLATEAU_SHARE:.0%} of it from level {knee.saturated_at:g}"
     )
     plan = result.capacity_plan
     if plan is not None:

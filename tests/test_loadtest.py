@@ -60,6 +60,20 @@ def test_knee_is_the_best_throughput_within_the_slo_and_error_free() -> None:
     assert find_knee(points, slo_ms=10) is None
 
 
+def test_the_knee_saturates_at_the_lowest_level_within_noise_of_its_throughput() -> None:
+    """A flat curve's best level is noise; a load scaled from the knee scales from its start."""
+    flat = [
+        Point(level=c, throughput=t, p99_ms=c * 8, error_rate=0)
+        for c, t in [(1, 142), (2, 174), (4, 172), (8, 180), (16, 185), (32, 186), (64, 197)]
+    ]
+    knee = find_knee(flat, slo_ms=1000)
+    assert (knee.level, knee.throughput, knee.saturated_at) == (64, 197, 64)  # 186 is 5.6 % short
+    knee = find_knee([*flat[:-1], Point(level=64, throughput=190, p99_ms=512, error_rate=0)], slo_ms=1000)
+    assert (knee.level, knee.saturated_at) == (64, 16)
+    steep = [Point(level=c, throughput=10 * c, p99_ms=50, error_rate=0) for c in (1, 2, 4)]
+    assert find_knee(steep, slo_ms=1000).saturated_at == 4
+
+
 def test_percentiles_are_observed_values_and_summaries_add_up() -> None:
     assert percentile([1, 2, 3, 4], 50) == 2 and percentile([1, 2, 3, 4], 99) == 4 and percentile([7], 90) == 7
     recorder = Recorder()
