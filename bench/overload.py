@@ -4,7 +4,9 @@ Per endpoint (image: one photo per /classify request; text: one sentence per /em
 against one `bentoml serve` of the manifest's models:
 
 1. unloaded: concurrency 1 → p50/p99, the reference for recovery;
-2. knee: a closed-loop sweep (loadtest) → the best throughput with p99 within the SLO;
+2. knee: a closed-loop sweep (loadtest) → the best throughput with p99 within the SLO, whose
+   level is then measured again for up to `--knee-again-s` (the best of several short windows
+   runs high): the throughput the flood's goodput is judged against;
 3. flood: `--factor` × the knee's concurrency for `--flood-s` seconds, the lowest concurrency
    within 5 % of the knee's throughput (on a flat curve the best level is wherever the noise
    puts it: /embed's knee read 2 clients in one sweep, 128 in the next) → goodput (200s per
@@ -101,6 +103,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the flood's requests send Expect: 100-continue and their body only when asked, as curl does over 1 MB",
     )
     parser.add_argument("--unloaded-s", type=float, default=10.0)
+    parser.add_argument(
+        "--knee-again-s",
+        type=float,
+        default=20.0,
+        help="the knee's level measured again, up to this long: the throughput the flood is judged against",
+    )
     parser.add_argument("--recovery-s", type=float, default=6.0)
     parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
     parser.add_argument("--quick", action="store_true", help="a smoke run: short phases")
@@ -108,7 +116,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.retry_jitter_s and not args.honour_retry_after:
         parser.error("--retry-jitter-s is the jitter of clients that honour Retry-After: add --honour-retry-after")
     if args.quick:
-        args.concurrency, args.flood_s, args.unloaded_s, args.recovery_s = "1,4", 5.0, 3.0, 3.0
+        args.concurrency, args.flood_s, args.unloaded_s, args.recovery_s, args.knee_again_s = "1,4", 5.0, 3.0, 3.0, 3.0
     return args
 
 
@@ -372,6 +380,10 @@ def measure_endpoint(
     knee = sweep(tuple(float(c) for c in args.concurrency.split(",")), 1.0, 2.0).knee
     if knee is None or unloaded is None:
         raise RuntimeError(f"{url}: no level within the SLO of {slo_ms} ms; nothing to flood")
+    # The sweep's best level is the best of several levels' short windows, and on a plateau that
+    # best runs high: /embed's read 198 req/s at 64 clients, and 64 clients then held 171 for the
+    # flood's 60 s with nothing refused. Measured again, on its own, it is a fair reference.
+    knee_again = sweep((knee.level,), 1.0, args.knee_again_s / 4).levels[0].result.throughput
     concurrency = args.flood_concurrency or max(1, round(args.factor * knee.saturated_at))
     print(f"flooding {url} at concurrency {concurrency} for {args.flood_s:g} s …", file=sys.stderr)
     headers = {"X-Deadline-Ms": str(args.deadline_ms)} if args.deadline_ms else {}
@@ -400,9 +412,10 @@ def measure_endpoint(
             "throughput": knee.throughput,
             "p99_ms": knee.p99_ms,
             "saturated_at": knee.saturated_at,
+            "throughput_again": knee_again,
         },
         "flood": asdict(flood),
-        "targets": verdicts(knee.throughput, unloaded.p99, slo_ms, flood),
+        "targets": verdicts(knee_again, unloaded.p99, slo_ms, flood),
     }
 
 
@@ -415,7 +428,7 @@ def print_summary(results: dict[str, Any]) -> None:
     table = Table(title="overload: a flood at factor × the knee's concurrency")
     for column in (
         "model",
-        "knee req/s (conc.; saturated from)",
+        "knee req/s: sweep, again (conc.; saturated from)",
         "flood conc.",
         "goodput req/s (on time)",
         "accepted p99 ms: client, in server (SLO)",
@@ -430,7 +443,8 @@ def print_summary(results: dict[str, Any]) -> None:
         flood = r["flood"]
         table.add_row(
             model,
-            f"{r['knee']['throughput']:.1f} ({r['knee']['concurrency']:g}; {r['knee']['saturated_at']:g})",
+            f"{r['knee']['throughput']:.1f}, {r['knee']['throughput_again']:.1f}"
+            f" ({r['knee']['concurrency']:g}; {r['knee']['saturated_at']:g})",
             str(flood["concurrency"]),
             f"{flood['goodput']:.1f} ({flood['on_time']:.1f})",
             f"{number_text(flood['accepted_p99_ms'])}, {number_text(flood['accepted_server_p99_ms'])}"
