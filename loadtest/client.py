@@ -25,8 +25,9 @@ import httptools
 # flood of clients waiting out a Retry-After), an error of the load tester's, not the server's.
 KEEPALIVE_S = 4.0
 # A request whose head asks `Expect: 100-continue` (curl's way with bodies over 1 MB) sends its body
-# once the server answers 100, or after this long without an answer, as curl does.
-EXPECT_CONTINUE = b"\r\nExpect: 100-continue\r\n"
+# once the server answers 100, or after this long without an answer, as curl does. Header names
+# are case-insensitive: the head is matched lower-cased.
+EXPECT_CONTINUE = b"\r\nexpect: 100-continue\r\n"
 EXPECT_WAIT_S = 1.0
 # The Server-Timing step of a refusal the server held because its client came back before its
 # last Retry-After (optiserve's door): such a refusal is slow by design, not for want of capacity.
@@ -159,7 +160,7 @@ class Connection(asyncio.Protocol):
         self.waiter, self.body, self.retry_after, self.server_timing = loop.create_future(), [], None, b""
         timer = loop.call_later(timeout, self.fail, TimeoutError())
         head_end = data.find(b"\r\n\r\n") + 4
-        expects = EXPECT_CONTINUE in data[:head_end]
+        expects = EXPECT_CONTINUE in data[:head_end].lower()
         self.unsent_body = data[head_end:] if expects else None
         if expects:
             data = data[:head_end]

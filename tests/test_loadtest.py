@@ -165,11 +165,14 @@ def uvicorn_url() -> Iterator[str]:
     thread.join()
 
 
-def test_a_request_expecting_100_continue_sends_its_body_only_when_the_server_asks(uvicorn_url: str) -> None:
+@pytest.mark.parametrize("expect", [{"Expect": "100-continue"}, {"expect": "100-Continue"}], ids=["curl", "lower"])
+def test_a_request_expecting_100_continue_sends_its_body_only_when_the_server_asks(
+    uvicorn_url: str, expect: dict[str, str]
+) -> None:
     """As curl sends a body over 1 MB: refused unread, the request is answered at once and its
-    body never sent (its connection is not reused); read, it is sent on the server's 100 Continue."""
+    body never sent (its connection is not reused); read, it is sent on the server's 100 Continue.
+    The header's name and its token are case-insensitive, as HTTP has them."""
     body = b"x" * 2_000_000
-    expect = {"Expect": "100-continue"}
 
     async def scenario() -> tuple[float, list, float, list, int]:
         pool = Pool(uvicorn_url, timeout=10)
