@@ -100,7 +100,7 @@ def tune(
     candidate = Candidate(variant=kind.name, precision=kind.precision, engine=kind.engine)
     if kind.requires and kind.requires not in inputs.built:
         return candidate.model_copy(update={"reason": f"not built: needs an accepted {kind.requires} variant"})
-    if missing := kind.unavailable():
+    if missing := kind.unavailable(inputs):
         return candidate.model_copy(update={"reason": f"not built: {missing}"})
     for index, config in enumerate(kind.configs(inputs)):
         out = inputs.workdir / f"{kind.name}-{index}.onnx"

@@ -20,7 +20,7 @@ task: image-classification
 source: {kind: train-digits, epochs: 2, channels: 32, blocks: 1}
 image: {size: 8, resize: 8, mean: [0.0, 0.0, 0.0], std: [255.0, 255.0, 255.0]}
 export: {opset: 17, tolerance: {max_abs_diff: 1.0e-3, min_cosine: 0.999, min_top1_agreement: 0.9}}
-variants: [graph-opt]
+variants: [openvino]
 budget: {max_drop: {accuracy: 0.05}, p99_slo_ms: 1000}
 profiling: {max_batch_size: 8, seconds_per_point: 0.1}
 serving: {endpoint: classify, max_items_per_request: 8}
@@ -39,7 +39,7 @@ PREVIOUS_MANIFEST = json.dumps(
 HOME = "store-home"
 # Where each run dies: (audited operation, text in its path, occurrence) and how many whole
 # versions the store then holds, counting those of the runs killed before. Every run rebuilds
-# (--force) and registers fp32 then graph-opt, 3 files each (model.yaml, class_names.json, model.onnx).
+# (--force) and registers fp32 then openvino, 3 files each (model.yaml, class_names.json, model.onnx).
 POINTS = {
     "writing the ONNX export": (("open", "model.onnx", 1), 0),
     "copying the first version's files": (("shutil.copyfile", f"{HOME}/", 2), 0),

@@ -108,6 +108,28 @@ def test_openvino_runs_the_fp32_export_unchanged(tiny_text: BuildResult) -> None
     assert candidate.drops["mean_cosine"] < 1e-5, "OpenVINO kept at f32 computes what ONNX Runtime does"
 
 
+def test_graph_opt_is_not_built_for_a_cnn_whose_fusions_onnx_runtime_applies_at_load(tmp_path: Path) -> None:
+    """Only BERT-family graphs get fusions beyond those every service session applies to the FP32
+    export when it loads it: for any other graph the variant would be FP32 again, timed for nothing."""
+    from pipeline.recipe import Budget
+    from pipeline.tuning import tune
+
+    def never_judged(path: Path, engine: str) -> dict:
+        raise AssertionError("nothing was built, so nothing is judged")
+
+    cnn = VariantInputs(
+        task=TASKS["image-classification"],
+        fp32=tmp_path / "model.onnx",
+        workdir=tmp_path,
+        calibration=Split([]),
+        feeds=lambda rows: {},
+    )
+    budget = Budget(max_drop={"accuracy": 1.0})
+    candidate = tune(KINDS["graph-opt"], cnn, predict=never_judged, reference={}, evaluation={}, budget=budget)
+    assert not candidate.accepted and candidate.trials == []
+    assert candidate.reason.startswith("not built: ONNX Runtime applies these fusions to the FP32 export")
+
+
 def test_openvino_bf16_is_gated_where_the_cpu_computes_bf16_and_refused_by_name_elsewhere(
     tiny_text: BuildResult,
 ) -> None:

@@ -63,9 +63,9 @@ class VariantKind:
     doc: str
     requires: str | None = None  # a kind whose accepted graph this one builds on
     engine: EngineName = "onnxruntime"  # what evaluates, profiles and serves it
-    # Why this machine cannot run the kind as meant, or None: such a kind is not built, and its
-    # reason reported, rather than tried and failed with a warning on every build.
-    unavailable: Callable[[], str | None] = lambda: None
+    # Why this machine or this model cannot use the kind as meant, or None: such a kind is not
+    # built, and its reason reported, rather than tried and failed or timed for nothing.
+    unavailable: Callable[[VariantInputs], str | None] = lambda inputs: None
 
 
 KINDS: dict[str, VariantKind] = {}
@@ -77,7 +77,7 @@ def kind(
     configs: Callable[[VariantInputs], list[dict[str, Any]]],
     requires: str | None = None,
     engine: EngineName = "onnxruntime",
-    unavailable: Callable[[], str | None] = lambda: None,
+    unavailable: Callable[[VariantInputs], str | None] = lambda inputs: None,
 ):
     def register(build: Callable[[VariantInputs, dict[str, Any], Path], None]):
         doc = (build.__doc__ or "").strip()

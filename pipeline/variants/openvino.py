@@ -36,7 +36,7 @@ def _openvino(inputs: VariantInputs, config: dict, out: Path) -> None:
     shutil.copyfile(inputs.fp32, out)
 
 
-def _without_bf16() -> str | None:
+def _without_bf16(inputs: VariantInputs) -> str | None:
     if has_bf16():
         return None
     return (
