@@ -149,8 +149,8 @@ CONTENDER_SHARE = 0.8
 
 
 def _fp16_on_cpu_only(candidate: Candidate, fp32: Candidate, slo_ms: float) -> Candidate:
-    """FP16 is for GPU providers; on CPU it is kept only if it measured clearly faster than FP32,
-    compared as selection compares variants."""
+    """FP16 is for GPU providers; on a CPU (ARM: x86 CPUs do not build it) it is kept only if it
+    measured clearly faster than FP32, compared as selection compares variants."""
     if candidate.variant != "fp16" or not candidate.accepted or available_providers() != ["CPUExecutionProvider"]:
         return candidate
     fp16, reference = servable_throughput(candidate, slo_ms), servable_throughput(fp32, slo_ms)

@@ -68,6 +68,13 @@ def by_variant(result: BuildResult) -> dict:
     return {c.variant: c for c in result.candidates}
 
 
+def bare_inputs(task: str, workdir: Path, fp32: Path | None = None) -> VariantInputs:
+    """What a kind is given, without data: enough for the rules that decide whether it is built."""
+    return VariantInputs(
+        task=TASKS[task], fp32=fp32 or workdir / "model.onnx", workdir=workdir, calibration=Split([]), feeds=dict
+    )
+
+
 def test_every_requested_variant_is_reported(tiny_text: BuildResult) -> None:
     assert list(by_variant(tiny_text)) == [
         "fp32",
@@ -117,13 +124,7 @@ def test_graph_opt_is_not_built_for_a_cnn_whose_fusions_onnx_runtime_applies_at_
     def never_judged(path: Path, engine: str) -> dict:
         raise AssertionError("nothing was built, so nothing is judged")
 
-    cnn = VariantInputs(
-        task=TASKS["image-classification"],
-        fp32=tmp_path / "model.onnx",
-        workdir=tmp_path,
-        calibration=Split([]),
-        feeds=lambda rows: {},
-    )
+    cnn = bare_inputs("image-classification", tmp_path)
     budget = Budget(max_drop={"accuracy": 1.0})
     candidate = tune(KINDS["graph-opt"], cnn, predict=never_judged, reference={}, evaluation={}, budget=budget)
     assert not candidate.accepted and candidate.trials == []
@@ -228,9 +229,54 @@ def test_int8_static_quantizes_every_op_when_that_fits_the_budget(tiny_text: Bui
     assert candidate.reason == "fits the budget on trial 1"
 
 
-def test_fp16_builds_and_computes_what_fp32_does(tiny_text: BuildResult) -> None:
-    (trial,) = by_variant(tiny_text)["fp16"].trials
-    assert trial.error is None and trial.drops["mean_cosine"] < 1e-4
+def test_fp16_builds_a_graph_that_computes_what_fp32_does(tiny_text: BuildResult, tmp_path: Path) -> None:
+    """Built by hand: a build tries it only where something computes fp16 (the next test), and
+    ONNX Runtime's CPU provider still runs the graph, in f32 behind its Casts."""
+    import onnxruntime as ort
+
+    stored = bentoml.models.get(f"tiny-embedder:{_tag_of(tiny_text, 'fp32')}")
+    fp32 = Path(stored.path) / "model.onnx"
+    KINDS["fp16"].build(bare_inputs("text-embedding", tmp_path, fp32), {}, tmp_path / "fp16.onnx")
+
+    initializers = onnx.load(str(tmp_path / "fp16.onnx")).graph.initializer
+    assert {i.data_type for i in initializers if len(i.dims) == 2} == {onnx.TensorProto.FLOAT16}
+    sessions = [ort.InferenceSession(str(path)) for path in (fp32, tmp_path / "fp16.onnx")]
+    ids = np.random.default_rng(0).integers(1000, 2000, size=(3, 12))
+    feeds = {i.name: (ids if i.name == "input_ids" else np.ones_like(ids)) for i in sessions[0].get_inputs()}
+    reference, half = (session.run(None, feeds)[0] for session in sessions)
+    assert half.dtype == np.float32, "float32 in and out"
+    cosines = (reference * half).sum(-1) / np.linalg.norm(reference, axis=-1) / np.linalg.norm(half, axis=-1)
+    assert cosines.min() > 0.9999
+
+
+@pytest.mark.parametrize(
+    ("machine", "providers", "built"),
+    [
+        pytest.param("x86_64", ["CPUExecutionProvider"], False, id="x86 CPU"),
+        pytest.param("x86_64", ["CUDAExecutionProvider", "CPUExecutionProvider"], True, id="x86 with a GPU"),
+        pytest.param("aarch64", ["CPUExecutionProvider"], True, id="ARM CPU"),
+    ],
+)
+def test_fp16_is_built_only_where_something_computes_fp16(
+    monkeypatch, tmp_path: Path, machine: str, providers: list[str], built: bool
+) -> None:
+    """On x86 without a GPU provider, ONNX Runtime computes fp16 graphs in f32: not built, said why."""
+    from pipeline.variants import onnx_runtime
+
+    monkeypatch.setattr(onnx_runtime, "available_providers", lambda: providers)
+    monkeypatch.setattr(onnx_runtime.platform, "machine", lambda: machine)
+    reason = KINDS["fp16"].unavailable(bare_inputs("text-embedding", tmp_path))
+    assert (reason is None) == built
+    if not built:
+        assert reason.startswith("no GPU provider here, and on x86 CPUs ONNX Runtime computes fp16 graphs in f32")
+
+
+def test_a_build_reports_fp16_as_this_machines_rule_says(tiny_text: BuildResult, tmp_path: Path) -> None:
+    candidate = by_variant(tiny_text)["fp16"]
+    if (missing := KINDS["fp16"].unavailable(bare_inputs("text-embedding", tmp_path))) is None:
+        assert candidate.trials, "built and judged where something computes fp16"
+    else:
+        assert not candidate.accepted and candidate.trials == [] and candidate.reason == f"not built: {missing}"
 
 
 @pytest.mark.parametrize(

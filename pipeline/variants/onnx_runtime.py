@@ -6,6 +6,7 @@ a kind only has to know how to make a graph, not whether it is good enough.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import onnx
 
 from pipeline.variants.base import VariantInputs, kind, weighted_ends
 from serving.cpu import has_vnni
+from serving.engine import available_providers
 
 # Fused transformer graphs carry contrib ops that ONNX shape inference cannot type.
 QUANT_EXTRA = {"DefaultTensorType": onnx.TensorProto.FLOAT}
@@ -125,7 +127,21 @@ def int8_static(inputs: VariantInputs, config: dict, out: Path) -> None:
     )
 
 
-@kind("fp16", "fp16", lambda inputs: [{}])
+def _cast_back_on_x86_cpus(inputs: VariantInputs) -> str | None:
+    """Without a GPU provider, on x86, ONNX Runtime runs an fp16 graph in f32 behind the Casts it
+    inserts around each op its CPU provider has no x86 fp16 kernel for (microsoft/onnxruntime#16778):
+    0.60-1.10 × FP32 on these CPUs, build after build, never clearly faster, so building, judging
+    and screening it bought nothing. ARM CPUs have fp16 kernels: there it is built, and kept only if it
+    measures faster than FP32 (`pipeline.build`)."""
+    if available_providers() != ["CPUExecutionProvider"] or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    return (
+        "no GPU provider here, and on x86 CPUs ONNX Runtime computes fp16 graphs in f32 behind Casts it "
+        "inserts (0.60-1.10 × FP32 measured, never clearly faster)"
+    )
+
+
+@kind("fp16", "fp16", lambda inputs: [{}], unavailable=_cast_back_on_x86_cpus)
 def _fp16(inputs: VariantInputs, config: dict, out: Path) -> None:
     """Float16 weights and compute with float32 inputs and outputs, meant for GPU providers."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
