@@ -3,8 +3,9 @@
 A profile point is a batch of the traffic the service will get: each timed call runs the serving
 runtime's own `predict` (texts in length groups, each padded to its longest) on rows drawn at
 random from real inputs, so short and long texts weigh as they do in requests, not as synthetic
-rows of one length. Candidates are timed interleaved, in short blocks taken in turn, so that a
-noisy neighbour on a shared machine slows them all alike and their ratios stay meaningful. Each
+rows of one length. Candidates and batch sizes are timed interleaved, in short blocks taken in
+turn, so that a noisy neighbour on a shared machine slows them all alike and their ratios stay
+meaningful. Each
 block starts with an untimed call: thread pools of the previous runtime (PyTorch's OpenMP pool
 spins after a run) must not be billed to the next one, and the runtime's weights come back into
 cache. At the point's batch size in a runner's first block, where the first call of a new size
@@ -91,19 +92,30 @@ def profile(
     seconds_per_point: float = 2.0,
     blocks: int = FULL_BLOCKS,
 ) -> dict[str, list[ProfilePoint]]:
-    """Powers of two up to `max_batch_size`. A runner stops growing once its median call takes
-    over half the SLO: every larger batch would then be too slow for batching to choose
-    (`servable`), and the largest batches cost the most time to profile."""
-    points: dict[str, list[ProfilePoint]] = {name: [] for name in runners}
-    active = dict(runners)
-    batch = 1
+    """Powers of two up to `max_batch_size`. The first block takes the sizes in increasing order,
+    and a runner stops growing once its median call there takes over half the SLO: every larger
+    batch would then be too slow for batching to choose (`servable`), and the largest batches cost
+    the most time to profile. Each further block takes every size again, in turn, the order
+    reversed from one block to the next, as the runners are interleaved at each size: a shared
+    host that runs slower for a while then slows every size alike, and the batch chosen
+    (`choose_batching`) is the best size, not the best moment. Timed one size after another, a
+    flat curve's best batch followed the host's drift: MiniLM INT8's row cap came out 4, 8, 64
+    and 64 in four builds of one recipe on 2 AVX2 cores."""
+    share = seconds_per_point / blocks
+    samples: dict[str, dict[int, list[Sample]]] = {name: {} for name in runners}
+    active, batch = dict(runners), 1
     while batch <= max_batch_size and active:
-        for name, point in time_interleaved(active, batch, seconds=seconds_per_point, blocks=blocks).items():
-            points[name].append(point)
-            if 2 * point.p50_ms > slo_ms:
-                del active[name]
+        for name, run in active.items():
+            _timed_block(run, batch, share, samples[name].setdefault(batch, []), warm_up=batch)
+        active = {name: run for name, run in active.items() if 2 * _point(batch, samples[name][batch]).p50_ms <= slo_ms}
         batch *= 2
-    return points
+    sizes = sorted({size for by_size in samples.values() for size in by_size})
+    for block in range(1, blocks):
+        for size in sizes[::-1] if block % 2 else sizes:
+            for name, run in runners.items():
+                if size in samples[name]:
+                    _timed_block(run, size, share, samples[name][size], warm_up=1)
+    return {name: [_point(size, timed) for size, timed in sorted(by_size.items())] for name, by_size in samples.items()}
 
 
 def time_interleaved(runners: dict[str, Run], batch: int, *, seconds: float, blocks: int) -> dict[str, ProfilePoint]:

@@ -1,7 +1,14 @@
-"""The overload benchmark's figures: goodput over the flood, refusal latency, recovery time, memory."""
+"""The overload benchmark's figures: goodput over the flood, refusal latency, recovery time, memory;
+and one short run of it against a real `bentoml serve`."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+from conftest import own_home
+
+from bench import overload
 from bench.overload import BUCKET_S, recovered_after, rss_verdict, summarize_flood, verdicts
 from loadtest.stats import Outcome
 
@@ -86,3 +93,22 @@ def test_any_status_but_200_429_and_503_misses_the_target() -> None:
     flood = summarize_flood(flooded, [], 0.0, 1.0, concurrency=8, bound_ms=10.0, deadline_ms=1000.0, rss=STEADY)
 
     assert not verdicts(knee_throughput=1.0, unloaded_p99_ms=5.0, slo_ms=1000.0, flood=flood)["only_200_429_503"]["met"]
+
+
+@pytest.mark.slow
+def test_a_short_flood_of_the_test_store_runs_every_phase_and_records_it(manifest_file, tmp_path, monkeypatch) -> None:
+    """`bench.overload --quick` end to end: a sweep, the knee again, a flood of clients asking a
+    deadline the queue cannot keep for most of them, the recovery, the JSON and the plot."""
+    monkeypatch.setenv("BENTOML_HOME", own_home(tmp_path / "bentoml"))  # the server's, beside the suite's
+    argv = ["--manifest", str(manifest_file), "--models", "text", "--quick", "--out", str(tmp_path)]
+    assert overload.main([*argv, "--flood-concurrency", "32", "--deadline-ms", "50"]) == 0
+
+    (report,) = tmp_path.glob("overload-*.json")
+    text = json.loads(report.read_text())["models"]["text"]
+    assert text["knee"]["throughput"] > 0 and text["knee"]["throughput_again"] > 0
+    flood = text["flood"]
+    assert flood["concurrency"] == 32 and flood["goodput"] > 0
+    assert set(flood["statuses"]) <= {"200", "429", "503"} and text["targets"]["only_200_429_503"]["met"]
+    assert flood["refused_on_admission"] > 0 and flood["refused_on_admission_server_p99_ms"] is not None
+    assert flood["recovery_p99_ms"] and flood["rss_mib"]
+    assert report.with_suffix(".png").exists()

@@ -366,9 +366,11 @@ def test_variants_are_compared_at_the_batches_their_batching_may_choose() -> Non
     assert select([fp32, fast_when_too_slow], slo_ms=100).variant == "fp32"
 
 
-def test_profiling_stops_growing_a_batch_once_half_the_slo_is_gone_and_warms_up_cheaply_after_the_first_block() -> None:
+def test_profiling_stops_growing_a_batch_once_half_the_slo_is_gone_then_times_every_size_again_in_turn() -> None:
     """Calls of 4 ms per row against a 100 ms SLO: at 16 rows the median call takes 64 ms, so 32
-    rows is never timed. Each batch size's first block warms up at its size, later ones on one row."""
+    rows is never timed. The first block grows the batch, warming each size up at its size; the
+    next comes back down through every size, warming up on one row."""
+    import itertools
     import time
 
     from pipeline.profile import profile
@@ -382,8 +384,26 @@ def test_profiling_stops_growing_a_batch_once_half_the_slo_is_gone_and_warms_up_
     points = profile({"linear": run}, 64, slo_ms=100, seconds_per_point=0.04, blocks=2)["linear"]
     assert [p.batch_size for p in points] == [1, 2, 4, 8, 16]
     assert 2 * points[-1].p50_ms > 100
-    # a 64 ms call outlasts a 20 ms block: per block one untimed call, then one timed
-    assert calls[calls.index(16) :] == [16, 16, 1, 16]
+    growing, coming_back = [1, 2, 4, 8, 16], [1, 16, 1, 8, 1, 4, 1, 2, 1]  # each 1 before a size: its warm-up
+    assert [size for size, _ in itertools.groupby(calls)] == [*growing, *coming_back]
+
+
+def test_a_host_slowing_down_while_it_profiles_slows_every_batch_size_alike() -> None:
+    """Rows cost the same at any batch size, but the host runs ever slower (2 × by the end): each
+    size is timed early and late alike, so their throughputs stay level, as a flat curve must for
+    the batch chosen on it to be the best size rather than the best moment."""
+    import time
+
+    from pipeline.profile import profile
+
+    started = time.monotonic()
+
+    def run(batch: int) -> None:
+        time.sleep(0.002 * batch * (1 + (time.monotonic() - started) / 0.9))
+
+    points = profile({"flat": run}, 16, slo_ms=1000, seconds_per_point=0.18, blocks=4)["flat"]
+    throughputs = [p.throughput for p in points]
+    assert len(points) == 5 and max(throughputs) / min(throughputs) < 1.25, throughputs
 
 
 def test_the_report_marks_the_figures_of_variants_only_screened(
