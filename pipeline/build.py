@@ -24,6 +24,7 @@ from pipeline.export_check import check_export
 from pipeline.host_load import cpu_clock, other_load
 from pipeline.profile import (
     FULL_BLOCKS,
+    NOISE_MARGIN,
     SCREEN_BLOCKS,
     SCREEN_SHARE,
     Batching,
@@ -49,7 +50,7 @@ from serving.model_spec import ONNX_FILE, SPEC_KEY, TEACHER_FILE, ModelSpec
 from serving.monitoring import MONITORING_KEY
 
 # Bump when export or registration changes what an unchanged recipe produces.
-EXPORT_REVISION = "4"
+EXPORT_REVISION = "5"
 Step = Callable[[str], None]
 BUILD_STEPS = "build_steps"  # the selected variant's metadata: the steps of the build that made it
 EAGER = "pytorch-eager"
@@ -143,7 +144,6 @@ def _eager_runner(task: PipelineTask, graph: ServingGraph, data: TaskData) -> Ru
     return run
 
 
-NOISE_MARGIN = 0.05  # a speed-up smaller than this is within one run's noise on a shared machine
 # Screened within this share of the best throughput: timed again in full (`contenders`).
 CONTENDER_SHARE = 0.8
 
