@@ -42,6 +42,7 @@ from pipeline.sources import load_source
 from pipeline.tasks import TASKS, PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT, Candidate, Predict, judge_slices, tune
 from pipeline.variants import KINDS, VariantInputs
+from pipeline.working_memory import working_memory
 from serving.engine import ENGINE_LABEL, Engine, EngineName, EngineSettings, available_providers, open_engine
 from serving.host import PROFILE_LOAD, PROFILED_ON, OtherLoad, profiled_elsewhere, this_host
 from serving.manifest import Route
@@ -369,7 +370,16 @@ def profile_candidates(
         for c in candidates
     ]
     finalists = [c for c in candidates if c.variant in full]
-    return candidates, select(finalists, slo_ms, recipe.serving.variant), screened[EAGER]
+    chosen = select(finalists, slo_ms, recipe.serving.variant)
+    step(f"working memory of {chosen.variant} per batch size")
+    sizes = [p.batch_size for p in chosen.profile]
+    spec = spec_of(data.spec, chosen)
+    memory = working_memory(chosen.path, spec, settings, chosen.engine, data.profiling.rows, sizes)
+    chosen = chosen.model_copy(
+        update={"profile": [p.model_copy(update={"memory_mib": memory[p.batch_size]}) for p in chosen.profile]}
+    )
+    candidates = [chosen if c.variant == chosen.variant else c for c in candidates]
+    return candidates, chosen, screened[EAGER]
 
 
 def contenders(candidates: list[Candidate], slo_ms: float, preferred: str | None) -> list[Candidate]:

@@ -49,6 +49,7 @@ class ProfilePoint(BaseModel):
     mean_tokens: float | None = None  # text: padded tokens per call, length groups included
     max_tokens: int | None = None
     tokens_per_s: float | None = None
+    memory_mib: float | None = None  # the served variant's: its engine's working memory (pipeline/working_memory.py)
 
 
 class Batching(BaseModel):
@@ -192,13 +193,13 @@ def choose_batching(points: list[ProfilePoint], *, slo_ms: float, max_length: in
     within_noise = [p for p in fitting if p.throughput * (1 + NOISE_MARGIN) >= best.throughput]
     chosen = max(within_noise, key=lambda p: p.batch_size)
     rows = max(MIN_BATCH_SIZE, chosen.batch_size)
-    reason = f"batch {chosen.batch_size}: {chosen.throughput:.0f} rows/s, p99 {chosen.p99_ms:.1f} ms, "
+    reason = f"batch {chosen.batch_size}: {chosen.throughput:.0f} rows/s, p99 {chosen.p99_ms:.1f} ms{_memory(chosen)}, "
     if chosen is best:
         reason += "the best throughput"
     else:
         reason += (
             f"the largest batch within {NOISE_MARGIN * 100:g} % of the best throughput"
-            f" (batch {best.batch_size}: {best.throughput:.0f} rows/s)"
+            f" (batch {best.batch_size}: {best.throughput:.0f} rows/s{_memory(best)})"
         )
     reason += f" with 2 × p99 ≤ SLO {slo_ms:.0f} ms"
     if chosen.batch_size < MIN_BATCH_SIZE:
@@ -208,6 +209,10 @@ def choose_batching(points: list[ProfilePoint], *, slo_ms: float, max_length: in
         tokens, why = choose_token_cap(chosen, max_rows=rows, max_length=max_length)
         reason += f"; {why}"
     return Batching(max_batch_size=rows, max_batch_tokens=tokens, max_latency_ms=int(slo_ms), reason=reason)
+
+
+def _memory(point: ProfilePoint) -> str:
+    return "" if point.memory_mib is None else f", {point.memory_mib:.0f} MiB of engine memory"
 
 
 def choose_token_cap(chosen: ProfilePoint, *, max_rows: int, max_length: int) -> tuple[int, str]:

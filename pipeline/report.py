@@ -85,17 +85,23 @@ def batching_text(recipe: Recipe, batching: Batching) -> str:
 
 
 def profile_table(points: list[ProfilePoint]) -> str:
-    """Per batch size of the served variant: latency per call and rows/s, and for text the padded
-    tokens per call (length groups included) and tokens/s: the figures the caps are chosen from."""
+    """Per batch size of the served variant: latency per call and rows/s, for text the padded
+    tokens per call (length groups included) and tokens/s, the figures the caps are chosen from,
+    and the engine's working memory, which the row cap sets."""
     columns = ["batch", "p50 (ms)", "p99 (ms)", "rows/s"]
     text = all(p.mean_tokens is not None for p in points)
     if text:
         columns += ["padded tokens per call (mean / max)", "tokens/s"]
+    memory = all(p.memory_mib is not None for p in points)
+    if memory:
+        columns.append("engine memory (MiB)")
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for p in points:
         cells = [str(p.batch_size), f"{p.p50_ms:.1f}", f"{p.p99_ms:.1f}", f"{p.throughput:.1f}"]
         if text:
             cells += [f"{p.mean_tokens:.0f} / {p.max_tokens}", f"{p.tokens_per_s:.0f}"]
+        if memory:
+            cells.append(f"{p.memory_mib:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

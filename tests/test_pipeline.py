@@ -290,3 +290,4 @@ def test_report_shows_the_caps_and_why(
     assert f"`max_batch_tokens` {result.batching.max_batch_tokens}" in report
     assert result.batching.reason in report
     assert "padded tokens per call (mean / max)" in report
+    assert "engine memory (MiB)" in report

@@ -330,6 +330,12 @@ def test_the_build_serves_what_the_selection_picks_from_the_profiles_timed_in_fu
     chosen = select(full, slo_ms=2000)
     assert chosen.accepted and tiny_text.model.info.labels["variant"] == chosen.variant
     assert 2 <= tiny_text.batching.max_batch_size <= 4
+    # The served variant's working memory per batch size, from a fresh engine: it never shrinks.
+    served = next(c for c in tiny_text.candidates if c.variant == chosen.variant)
+    memory = [p.memory_mib for p in served.profile]
+    assert None not in memory and memory == sorted(memory) and memory[-1] > 0
+    assert all(p.memory_mib is None for c in tiny_text.candidates if c is not served for p in c.profile)
+    assert "MiB of engine memory" in tiny_text.batching.reason
     assert 64 <= tiny_text.batching.max_batch_tokens <= tiny_text.batching.max_batch_size * 64
 
 
@@ -552,6 +558,11 @@ def test_a_flat_curve_takes_its_largest_batch_within_the_noise_of_the_best() -> 
     slower = [p.model_copy(update={"throughput": 149.0}) if p.batch_size == 64 else p for p in flat]
     assert choose_batching(slower, slo_ms=1800).max_batch_size == 32  # 64 is 5.4 % below the best
     assert "the best throughput" in choose_batching(flat[:3], slo_ms=1800).reason  # batch 4, no larger within 5 %
+    with_memory = [p.model_copy(update={"memory_mib": 12.5 * p.batch_size}) for p in flat]
+    assert "150 rows/s, p99 469.3 ms, 800 MiB of engine memory, the largest batch" in (
+        choose_batching(with_memory, slo_ms=1800).reason
+    )
+    assert "(batch 4: 157 rows/s, 50 MiB of engine memory)" in choose_batching(with_memory, slo_ms=1800).reason
 
 
 def _text_points(intercept_ms: float, ms_per_token: float, tokens_per_row: float, tail: float = 1.3) -> list:
