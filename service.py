@@ -27,6 +27,7 @@ from serving.direct import DirectEndpoints, Handler
 from serving.door import Door, EarlyRetries, Guard
 from serving.lifecycle import AliasWatcher, Split, front_class, open_front
 from serving.manifest import DEFAULT_ENDPOINTS, Route, load_manifest, manifest_path, model_path
+from serving.metrics import sample_resident_memory
 from serving.model_services import model_service
 from serving.openapi import AmendedOpenAPI
 from serving.process import freeze_startup_heap
@@ -93,13 +94,18 @@ class Optiserve:
         freeze_startup_heap()
 
     @bentoml.on_startup
-    async def follow_aliases(self) -> None:
-        """Hot swap: poll the alias file on the serving loop while the service runs."""
-        self.following = asyncio.create_task(self.watcher.run(), name="alias-watcher")
+    async def start_background_tasks(self) -> None:
+        """On the serving loop while the service runs: hot swaps (polling the alias file) and the
+        worker's memory gauge."""
+        self.background = [
+            asyncio.create_task(self.watcher.run(), name="alias-watcher"),
+            asyncio.create_task(sample_resident_memory(), name="memory-sampler"),
+        ]
 
     @bentoml.on_shutdown
-    async def stop_following(self) -> None:
-        self.following.cancel()
+    async def stop_background_tasks(self) -> None:
+        for task in self.background:
+            task.cancel()
 
     # The endpoints read their own bodies (serving/api.py): BentoML passes the declared fields unread.
     # Each model is also served at its own path (`model_endpoints`, below).

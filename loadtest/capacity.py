@@ -50,7 +50,8 @@ class CapacityPlan:
     Headroom is taken off the per-replica capacity, not added to the target: a replica is
     planned to run at most at `planned_per_replica_qps`, so that bursts, a replica being
     replaced, or a slower machine still find the service left of its knee. `utilization` is
-    the share of the fleet's knee throughput the target uses.
+    the share of the fleet's knee throughput the target uses. `replica_mib`: what one replica's
+    workers held at the knee, where the server says (its memory, to size a container).
     """
 
     target_qps: float
@@ -59,9 +60,16 @@ class CapacityPlan:
     planned_per_replica_qps: float
     replicas: int
     utilization: float
+    replica_mib: float | None = None
+
+    @property
+    def fleet_mib(self) -> float | None:
+        return None if self.replica_mib is None else self.replicas * self.replica_mib
 
 
-def capacity_plan(*, target_qps: float, knee_qps: float, headroom: float) -> CapacityPlan:
+def capacity_plan(
+    *, target_qps: float, knee_qps: float, headroom: float, replica_mib: float | None = None
+) -> CapacityPlan:
     if target_qps <= 0:
         raise ValueError(f"target QPS must be positive, got {target_qps}")
     if knee_qps <= 0:
@@ -78,4 +86,5 @@ def capacity_plan(*, target_qps: float, knee_qps: float, headroom: float) -> Cap
         planned_per_replica_qps=planned,
         replicas=replicas,
         utilization=target_qps / (replicas * knee_qps),
+        replica_mib=replica_mib,
     )

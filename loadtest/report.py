@@ -30,12 +30,16 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def table(result: SweepResult) -> Table:
     level_name = "concurrency" if result.settings.mode == "concurrency" else "rate /s"
     out = Table(title=f"{result.settings.url}  (SLO p99 {result.settings.slo_ms:g} ms)")
     for column in (level_name, "req/s", "rows/s", "p50", "p90", "p95", "p99", "errors", "windows"):
         out.add_column(column, justify="right")
-    for column in ("queue ms", "infer ms", "batch rows", "model svc ms", "front ms"):
+    for column in ("queue ms", "infer ms", "batch rows", "model svc ms", "front ms", "workers MiB"):
         out.add_column(column, justify="right", style="cyan")
     for level in result.levels:
         r, latency, server = level.result, level.result.latency_ms, level.server
@@ -52,6 +56,7 @@ def table(result: SweepResult) -> Table:
             _ms(server.batch_rows if server else None),
             _ms(server.model_service_ms if server else None),
             _ms(server.front_ms if server else None),
+            _mib(server.workers_mib if server else None),
         )
     return out
 
@@ -75,6 +80,11 @@ def print_report(result: SweepResult, console: Console) -> None:
             f"({plan.headroom:.0%} headroom off its {plan.knee_qps:.1f} req/s knee); "
             f"fleet utilization at target {plan.utilization:.0%}"
         )
+        if plan.replica_mib is not None:
+            console.print(
+                f"memory: each replica's workers held {plan.replica_mib:.0f} MiB at the knee, "
+                f"{plan.fleet_mib:.0f} MiB for {plan.replicas}"
+            )
 
 
 def pyplot() -> Any:

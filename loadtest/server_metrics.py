@@ -15,19 +15,21 @@ INFERENCE = "optiserve_inference_seconds"
 ROWS = "optiserve_batch_rows"
 REQUEST_DURATION = "bentoml_service_request_duration_seconds"
 MODEL_METHOD = "/predict"  # the model services' batched method (service.py)
+RESIDENT = "optiserve_workers_resident_memory_bytes"  # a gauge: read as it is at a span's end
 
 Labels = frozenset[tuple[str, str]]
 Snapshot = dict[tuple[str, Labels], float]
 
 
 def parse(text: str) -> Snapshot:
-    """Every `_sum` and `_count` sample of the page, keyed by (sample name, labels)."""
+    """Every `_sum` and `_count` sample of the page, and the workers' memory, keyed by (sample
+    name, labels)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     snapshot: Snapshot = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")):
+            if sample.name.endswith(("_sum", "_count")) or sample.name == RESIDENT:
                 snapshot[(sample.name, frozenset(sample.labels.items()))] = sample.value
     return snapshot
 
@@ -39,7 +41,8 @@ class Breakdown:
     services, so front_ms − model_service_ms is the front's own share (parsing, decoding,
     the client side of the call) and model_service_ms − queue − inference the model
     service's (deserialization, batching, serialization). With the models in the front process
-    (the default) there is no `/predict` and `model_service_ms` is None."""
+    (the default) there is no `/predict` and `model_service_ms` is None. `workers_mib`: the
+    service workers' resident memory at the span's end, where the server exports it."""
 
     queue_ms: float | None
     inference_ms: float | None
@@ -48,6 +51,7 @@ class Breakdown:
     model_requests: int
     front_ms: float | None
     model_service_ms: float | None
+    workers_mib: float | None = None
 
 
 def metrics_url(url: str) -> str:
@@ -88,4 +92,5 @@ def breakdown(before: Snapshot, after: Snapshot, *, path: str) -> Breakdown | No
         model_requests=round(delta(QUEUE, "_count", model)),
         front_ms=mean(REQUEST_DURATION, {"endpoint": "/" + path.strip("/")}, 1000),
         model_service_ms=mean(REQUEST_DURATION, {"endpoint": MODEL_METHOD}, 1000),
+        workers_mib=after[(RESIDENT, frozenset())] / 2**20 if (RESIDENT, frozenset()) in after else None,
     )

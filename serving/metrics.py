@@ -32,6 +32,11 @@ latency:
   response cache, where it has one (serving/cache.py).
 - `optiserve_cascade_answers_total{endpoint, model, answered_by}`: images a cascade answered with
   its student (`student`) or, where the student was unsure, its teacher (`teacher`).
+- `optiserve_workers_resident_memory_bytes`: the service workers' resident memory, summed, each
+  worker sampling its own every `MEMORY_SAMPLE_S` seconds. BentoML's multi-process registry drops
+  prometheus_client's process collector (`process_resident_memory_bytes`), and a worker's memory
+  is mostly its engines' working memory, which the row caps set (pipeline/working_memory.py):
+  what a replica needs, to size its container.
 - per pair of models (`endpoint`, `primary`, `shadow`), shadow traffic (serving/shadow.py):
   `optiserve_shadow_total{outcome}` (requests `compared`, `dropped` while the shadow was busy,
   `failed`), `optiserve_shadow_similarity{measure}` per row (`top1_agreement` 1 or 0 and
@@ -50,6 +55,7 @@ alias of prometheus_client in BentoML 1.4.)
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,6 +77,8 @@ CACHE_LOOKUPS_METRIC = "optiserve_cache_lookups"
 CACHE_EVICTIONS_METRIC = "optiserve_cache_evictions"
 CACHE_BYTES_METRIC = "optiserve_cache_bytes"
 CASCADE_METRIC = "optiserve_cascade_answers"
+MEMORY_METRIC = "optiserve_workers_resident_memory_bytes"
+MEMORY_SAMPLE_S = 5.0
 PAIR = ("endpoint", "primary", "shadow")
 # Agreement is 0 or 1, score differences near 0, cosines near 1: both ends resolved.
 SIMILARITY_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.5, 0.9, 0.95, 0.99, 0.999, 0.9999, 1.0)
@@ -96,6 +104,7 @@ class Instruments:
     cache_evictions: Any
     cache_bytes: Any
     cascade: Any
+    memory: Any
 
 
 @cache
@@ -135,7 +144,18 @@ def instruments() -> Instruments:
         cascade=Counter(
             CASCADE_METRIC, "Images a cascade answered, by the model that answered", (*LABELS, "answered_by")
         ),
+        memory=Gauge(MEMORY_METRIC, "Resident memory of the service's workers, summed", multiprocess_mode="livesum"),
     )
+
+
+async def sample_resident_memory(every_s: float = MEMORY_SAMPLE_S) -> None:
+    """This worker's resident memory into the gauge, now and every `every_s` seconds, until cancelled."""
+    import psutil
+
+    process, gauge = psutil.Process(), instruments().memory
+    while True:
+        gauge.set(process.memory_info().rss)
+        await asyncio.sleep(every_s)
 
 
 def count_cascade_answers(endpoint: str, model: str, *, student: int, teacher: int) -> None:

@@ -26,7 +26,7 @@ from loadtest.capacity import Point, capacity_plan, find_knee
 from loadtest.client import Pool, fetch, request_bytes
 from loadtest.generator import closed_loop, open_loop, post_requests, send
 from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
-from loadtest.server_metrics import INFERENCE, QUEUE, ROWS, breakdown, endpoint_label, parse
+from loadtest.server_metrics import INFERENCE, QUEUE, RESIDENT, ROWS, breakdown, endpoint_label, parse
 from loadtest.stats import Outcome, Recorder, is_stable, percentile, summarize
 from loadtest.sweep import SweepSettings, run_sweep
 from sample_inputs import sample_texts
@@ -42,6 +42,8 @@ def test_capacity_plan_takes_headroom_off_each_replica() -> None:
     exact = capacity_plan(target_qps=90, knee_qps=30, headroom=0.0)
     assert exact.replicas == 3 and exact.utilization == pytest.approx(1.0)
     assert capacity_plan(target_qps=1, knee_qps=1000, headroom=0.5).replicas == 1
+    assert plan.fleet_mib is None  # the server did not say what a replica holds
+    assert capacity_plan(target_qps=100, knee_qps=30, headroom=0.25, replica_mib=700).fleet_mib == 5 * 700
     for bad in ({"target_qps": 0, "knee_qps": 1, "headroom": 0}, {"target_qps": 1, "knee_qps": 1, "headroom": 1}):
         with pytest.raises(ValueError):
             capacity_plan(**bad)
@@ -113,6 +115,10 @@ def test_breakdown_is_the_mean_between_two_scrapes() -> None:
     found = breakdown(before, after, path="/classify_batch")
     assert found.queue_ms == pytest.approx(50) and found.inference_ms == pytest.approx(100)
     assert found.batch_rows == pytest.approx(3) and found.batches == 4 and found.model_requests == 10
+    assert found.workers_mib is None  # a server that does not say
+    # The workers' memory is a gauge: as it stands at the span's end.
+    memory = f"# TYPE {RESIDENT} gauge\n{RESIDENT} {700 * 2**20}\n"
+    assert breakdown(before, parse(page((1.5, 20), (2.4, 9), (22, 9)) + memory), path="/classify").workers_mib == 700
     assert breakdown({}, {}, path="/classify") is None
     assert endpoint_label("/embed") == "embed" and endpoint_label("/v1/classify_batch/") == "classify"
 
@@ -405,7 +411,11 @@ def test_cli_sweep_writes_consistent_json_and_plots(server, tmp_path: Path) -> N
         assert server_side["inference_ms"] > 0 and server_side["queue_ms"] >= 0 and server_side["batch_rows"] >= 1
         assert server_side["model_service_ms"] is None, "the default deployment runs its models in the front"
         assert server_side["front_ms"] > server_side["inference_ms"] * 0.5
+        assert server_side["workers_mib"] > 100, "a worker with both models loaded"
     knee, plan = document["knee"], document["capacity_plan"]
+    at_knee = next(level for level in document["levels"] if level["level"] == knee["level"])
+    assert plan["replica_mib"] == at_knee["server"]["workers_mib"]
+    assert f"memory: each replica's workers held {plan['replica_mib']:.0f} MiB at the knee" in run.stdout
     assert knee["throughput"] == max(level["result"]["throughput"] for level in document["levels"])
     assert plan["replicas"] == math.ceil(50 / (knee["throughput"] * 0.7) - 1e-9)
     for plot in ("sweep-throughput.png", "sweep-p99.png"):

@@ -25,9 +25,10 @@ from PIL import Image
 from scrape import samples
 from test_engines import thread_nice_values
 
-from bench.processes import OPTISERVE, free_port
+from bench.processes import OPTISERVE, free_port, worker_rss_mib
 from sample_inputs import encode, sample_photos
 from serving.embed import decode_base64_f16
+from serving.metrics import MEMORY_METRIC
 from serving.settings import DEFAULT_ENGINE_NICE
 
 pytestmark = pytest.mark.slow
@@ -171,6 +172,15 @@ def test_concurrent_requests_are_batched(server) -> None:
     assert rows == 48
     assert batches < 48, "every request ran alone"
     assert single_row_batches < batches, "no batch larger than one request"
+
+
+def test_metrics_say_what_the_workers_hold_in_memory(server) -> None:
+    """BentoML's multi-process /metrics has no process_resident_memory_bytes: the workers report
+    their own, summed, sampled every few seconds."""
+    with server.client() as client:
+        ((labels, value),) = samples(client, MEMORY_METRIC)
+    assert labels == {}
+    assert value / 2**20 == pytest.approx(worker_rss_mib(server.process.pid), rel=0.2)
 
 
 @cache
