@@ -61,6 +61,13 @@ SMOOTHING = 0.2
 # A batch's slow side: its mean engine time plus this many smoothed deviations, as TCP's
 # retransmission timeout takes the round trip's (`_Speed.batch_seconds`).
 LATE_SPREADS = 4.0
+# Those deviations fade with the seconds the engine has stood idle since its last batch, by e
+# every this many (`Batcher._spread_weight`): they say how far batches strayed under the load they
+# ran in, which an idle engine no longer has, and nothing measures them again while every request
+# is refused on them. After one-row batches alternating 10 and 40 ms (mean 27 ms, spread 17 ms),
+# an idle engine refused every later request with a 50 ms deadline, however long it waited
+# (1.15 × 27 + 4 × 17 = 99 ms), and an overload test's flood of such requests got no answer in 5 s.
+SPREAD_FADE_S = 1.0
 # Engine time of one bulk batch, once the engine's speed is known.
 BULK_BATCH_SECONDS = 0.002
 # Interactive traffic is "still coming" for this long after its last request.
@@ -130,6 +137,7 @@ class _Speed:
     (RELIABILITY.md)."""
 
     batches: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # size → (cost, seconds, spread)
+    last_batch_end: float = 0.0  # monotonic seconds
     points: list[tuple[float, float, float]] = field(default_factory=list)  # `batches`' values by cost
     backlog_batch_cost: float | None = None  # batches taken from a queue they did not empty
     cost_per_row: float | None = None
@@ -138,14 +146,25 @@ class _Speed:
 
     def observe_batch(self, seconds: float, cost: int) -> None:
         """The size's mean engine time, and its spread: how far a batch strays from the mean scaled
-        to its cost, smoothed like TCP's round-trip variation."""
+        to its cost, smoothed like TCP's round-trip variation. After the engine stood idle, the
+        figures from before count only as much as `spread_weight` says they still hold: the first
+        batch after a quiet spell mostly replaces them, or a stale mean would keep the spread up
+        (every new batch straying from it) and the deadlines refused that would re-measure it."""
+        ended = time.monotonic()
+        held = spread_weight(ended - seconds - self.last_batch_end)
+        self.last_batch_end = ended
         size = cost.bit_length()
         if (known := self.batches.get(size)) is None:
             self.batches[size] = (cost, seconds, 0.0)
         else:
             known_cost, known_seconds, spread = known
             strayed = abs(seconds - known_seconds * cost / known_cost)
-            self.batches[size] = (_smooth(known_cost, cost), _smooth(known_seconds, seconds), _smooth(spread, strayed))
+            weight = max(SMOOTHING, 1 - held)
+            self.batches[size] = (
+                _smooth(known_cost, cost, weight),
+                _smooth(known_seconds, seconds, weight),
+                _smooth(held * spread, strayed),
+            )
         self.points = sorted(self.batches.values())  # sizes' ranges do not overlap: in size order
 
     def observe_backlog_batch(self, cost: int) -> None:
@@ -153,19 +172,21 @@ class _Speed:
         backlog, not what the traffic happened to offer."""
         self.backlog_batch_cost = _smooth(self.backlog_batch_cost, cost)
 
-    def batch_seconds(self, cost: float, *, late: bool = False) -> float:
+    def batch_seconds(self, cost: float, *, late: bool = False, spread_weight: float = 1.0) -> float:
         """The engine time of one batch of `cost` units: interpolated between the nearest sizes
         measured, at the nearest size's speed beyond them; 0 before any batch ran. `late`: its slow
         side, plus `slow_margin`."""
-        return self._interpolated(cost, lambda point: point[1] + LATE_SPREADS * point[2] if late else point[1])
+        if not late:
+            return self._interpolated(cost, lambda point: point[1])
+        return self._interpolated(cost, lambda point: point[1] + LATE_SPREADS * spread_weight * point[2])
 
-    def slow_margin(self, cost: float) -> float:
+    def slow_margin(self, cost: float, spread_weight: float = 1.0) -> float:
         """How much longer than its mean a batch of `cost` units is taken to run where a deadline
         must hold: LATE_SPREADS spreads. Under a flood the engine shares the cores with the event
         loop, and MiniLM's batches ran 60 ms at the median and 150 ms at p99: judged on the mean,
         6–9 % of the requests let in with a 200 ms deadline were answered after it by the server's
-        own clock; at 4 spreads, 1 % (RELIABILITY.md)."""
-        return self._interpolated(cost, lambda point: LATE_SPREADS * point[2])
+        own clock; at 4 spreads, 1 % (RELIABILITY.md). `spread_weight`: `Batcher._spread_weight`."""
+        return self._interpolated(cost, lambda point: LATE_SPREADS * spread_weight * point[2])
 
     def _interpolated(self, cost: float, figure: Callable[[tuple[float, float, float]], float]) -> float:
         """A batch figure for `cost` units, linear between the nearest sizes measured and in
@@ -202,8 +223,13 @@ class _Speed:
         self.return_seconds = _smooth(self.return_seconds, seconds)
 
 
-def _smooth(current: float | None, sample: float) -> float:
-    return sample if current is None else current + SMOOTHING * (sample - current)
+def _smooth(current: float | None, sample: float, weight: float = SMOOTHING) -> float:
+    return sample if current is None else current + weight * (sample - current)
+
+
+def spread_weight(idle_s: float) -> float:
+    """How much of the batches' learned spread still holds after the engine stood idle this long."""
+    return math.exp(-max(0.0, idle_s) / SPREAD_FADE_S)
 
 
 @dataclass
@@ -333,7 +359,7 @@ class Batcher(Generic[Rows]):
         behind = self._speed.engine_seconds(ahead, batch_cost) - queued
         # Its own batch on its slow side, as the engine thread judges it when taking it (`_take_batch`).
         own_batch = min(ahead, batch_cost)
-        slow = self._speed.slow_margin(own_batch)
+        slow = self._speed.slow_margin(own_batch, self._spread_weight(now))
         # The queue ahead on its slow side: its batches' own spread is no guide to how far a second
         # of them strays under a flood, where the engine shares the cores with the decoding and the
         # event loop of the requests around it (`QUEUE_SLOW_SHARE`, RELIABILITY.md).
@@ -378,6 +404,12 @@ class Batcher(Generic[Rows]):
         waiting = len(queue.pending) + len(queue.low) - taking
         busy = queue.reserved_rows or queue.running_cost or waiting > 0
         return self._speed.return_seconds if busy else 0.0
+
+    def _spread_weight(self, now: float) -> float:
+        """How much of the batches' learned spread still holds: all of it while a batch runs or
+        the engine has just finished one, fading by e every `SPREAD_FADE_S` it then stands idle.
+        Caller holds the lock."""
+        return 1.0 if self._queue.running_cost else spread_weight(now - self._speed.last_batch_end)
 
     def _budget_ms(self, timeout_ms: float | None) -> float:
         """The server's deadline, shortened by the client's."""
@@ -612,7 +644,8 @@ class Batcher(Generic[Rows]):
             queue.low_cost -= piece.cost
             if piece.future.cancelled():
                 continue
-            if now + self._speed.batch_seconds(piece.cost, late=True) + self._returning() > piece.deadline:
+            late = self._speed.batch_seconds(piece.cost, late=True, spread_weight=self._spread_weight(now))
+            if now + late + self._returning() > piece.deadline:
                 expired.append(piece)
                 continue
             queue.running_cost, queue.running_since = piece.cost, now
@@ -638,9 +671,10 @@ class Batcher(Generic[Rows]):
         rows = cost = longest = total = 0
         earliest = math.inf
         returning = self._returning(taking=True)
+        spread_weight = self._spread_weight(now)
 
         def answered(batch_cost: int) -> float:
-            return now + self._speed.batch_seconds(batch_cost, late=True) + returning
+            return now + self._speed.batch_seconds(batch_cost, late=True, spread_weight=spread_weight) + returning
 
         while queue.pending:
             piece = queue.pending[0]

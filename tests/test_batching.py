@@ -272,6 +272,35 @@ def test_a_deadline_is_judged_by_a_batchs_slow_side_not_its_mean() -> None:
     assert isinstance(refusal, DeadlineUnmet) and "within 100 ms" in str(refusal)
 
 
+def test_a_deadline_refused_on_a_noisy_spell_is_let_in_once_the_engine_has_stood_idle() -> None:
+    """One-row batches alternating 10 and 40 ms teach a slow side (1.15 × 27 + 4 × 17 ms) that a
+    50 ms deadline cannot meet. Nothing else arrives to measure the engine again, now steady at
+    10 ms: the learned spread fades while it stands idle, the first request let in re-measures it,
+    and the ones after it are let in too, where before every one was refused for ever."""
+    model = UnevenModel([0.010, 0.040])
+    batcher = make_batcher(model, endpoint="noisy-spell")
+
+    async def noisy_then_quiet() -> list[str]:
+        for _ in range(30):
+            await submit(batcher, np.ones((1, 1)))
+        model.seconds = [0.010]
+        outcomes = []
+        for _ in range(60):  # one every 50 ms: 3 s
+            try:
+                await submit(batcher, np.ones((1, 1)), timeout_ms=50)
+                outcomes.append("answered")
+            except DeadlineUnmet:
+                outcomes.append("refused")
+            await asyncio.sleep(0.05)
+        return outcomes
+
+    outcomes = asyncio.run(noisy_then_quiet())
+    assert outcomes[0] == "refused", "the noisy spell's slow side, right after it"
+    first = outcomes.index("answered")
+    assert first * 0.05 <= 2.5, "let in within a few fade periods"
+    assert outcomes[first:] == ["answered"] * (60 - first), "re-measured: the stale figures gave way"
+
+
 class TimedModel(RecordingModel):
     """A RecordingModel that keeps how long each of its batches really took."""
 
