@@ -193,12 +193,12 @@ def conclude(result: SweepResult) -> SweepResult:
     ]
     result.knee = find_knee(points, slo_ms=settings.slo_ms, max_error_rate=settings.max_error_rate)
     if result.knee is not None and settings.target_qps:
-        at_knee = next(level.server for level in result.levels if level.level == result.knee.level)
+        knee_server = next(level.server for level in result.levels if level.level == result.knee.level)
         result.capacity_plan = capacity_plan(
             target_qps=settings.target_qps,
             knee_qps=result.knee.throughput,
             headroom=settings.headroom,
-            replica_mib=at_knee.workers_mib if at_knee else None,
+            replica_mib=knee_server.workers_mib if knee_server else None,
         )
     return result
 

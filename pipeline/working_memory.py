@@ -14,7 +14,6 @@ import json
 import pickle
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,24 +26,21 @@ def working_memory(
 ) -> dict[int, float]:
     """MiB a fresh process running `path` through the serving runtime grew by, from before its
     first call to after its first call at each size, smallest first."""
-    with tempfile.TemporaryDirectory(prefix="optiserve-memory-") as scratch:
-        job = Path(scratch) / "job.pickle"
-        job.write_bytes(pickle.dumps((path, spec, settings, engine, list(rows), sorted(sizes))))
-        done = subprocess.run(
-            [sys.executable, "-m", "pipeline.working_memory", str(job)], capture_output=True, text=True, check=False
-        )
+    job = pickle.dumps((path, spec, settings, engine, list(rows), sorted(sizes)))
+    command = [sys.executable, "-m", "pipeline.working_memory"]
+    done = subprocess.run(command, input=job, capture_output=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"measuring the working memory of {path.name} failed:\n{done.stderr[-2000:]}")
-    return {int(size): mib for size, mib in json.loads(done.stdout.splitlines()[-1]).items()}
+        raise RuntimeError(f"measuring the working memory of {path.name} failed:\n{done.stderr.decode()[-2000:]}")
+    return {int(size): mib for size, mib in json.loads(done.stdout.decode().splitlines()[-1]).items()}
 
 
-def _measure(job: Path) -> dict[int, float]:
+def _measure(job: bytes) -> dict[int, float]:
     import psutil
 
     from pipeline.profile import runtime_runner, sampler
     from serving.model_runtime import onnx_runtime
 
-    path, spec, settings, engine, rows, sizes = pickle.loads(job.read_bytes())
+    path, spec, settings, engine, rows, sizes = pickle.loads(job)
     run = runtime_runner(onnx_runtime(path, spec, settings, engine), sampler(rows))
     process = psutil.Process()
     before = process.memory_info().rss
@@ -56,4 +52,4 @@ def _measure(job: Path) -> dict[int, float]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_measure(Path(sys.argv[1]))))
+    print(json.dumps(_measure(sys.stdin.buffer.read())))

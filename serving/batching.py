@@ -59,7 +59,7 @@ Rows = TypeVar("Rows", np.ndarray, list)
 # Weight of the newest batch in the running estimates: about the last ten batches count.
 SMOOTHING = 0.2
 # A batch's slow side: its mean engine time plus this many smoothed deviations, as TCP's
-# retransmission timeout takes the round trip's (`_Speed.batch_seconds`).
+# retransmission timeout takes the round trip's (`_Speed.slow_margin`).
 LATE_SPREADS = 4.0
 # Those deviations fade with the seconds the engine has stood idle since its last batch, by e
 # every this many (`Batcher._spread_weight`): they say how far batches strayed under the load they
@@ -172,13 +172,10 @@ class _Speed:
         backlog, not what the traffic happened to offer."""
         self.backlog_batch_cost = _smooth(self.backlog_batch_cost, cost)
 
-    def batch_seconds(self, cost: float, *, late: bool = False, spread_weight: float = 1.0) -> float:
+    def batch_seconds(self, cost: float) -> float:
         """The engine time of one batch of `cost` units: interpolated between the nearest sizes
-        measured, at the nearest size's speed beyond them; 0 before any batch ran. `late`: its slow
-        side, plus `slow_margin`."""
-        if not late:
-            return self._interpolated(cost, lambda point: point[1])
-        return self._interpolated(cost, lambda point: point[1] + LATE_SPREADS * spread_weight * point[2])
+        measured, at the nearest size's speed beyond them; 0 before any batch ran."""
+        return self._interpolated(cost, lambda point: point[1])
 
     def slow_margin(self, cost: float, spread_weight: float = 1.0) -> float:
         """How much longer than its mean a batch of `cost` units is taken to run where a deadline
@@ -404,6 +401,11 @@ class Batcher(Generic[Rows]):
         waiting = len(queue.pending) + len(queue.low) - taking
         busy = queue.reserved_rows or queue.running_cost or waiting > 0
         return self._speed.return_seconds if busy else 0.0
+
+    def _slow_side(self, cost: float, now: float) -> float:
+        """The engine time of one batch of `cost` units where a deadline must hold: its mean plus
+        `slow_margin`. Caller holds the lock."""
+        return self._speed.batch_seconds(cost) + self._speed.slow_margin(cost, self._spread_weight(now))
 
     def _spread_weight(self, now: float) -> float:
         """How much of the batches' learned spread still holds: all of it while a batch runs or
@@ -644,8 +646,7 @@ class Batcher(Generic[Rows]):
             queue.low_cost -= piece.cost
             if piece.future.cancelled():
                 continue
-            late = self._speed.batch_seconds(piece.cost, late=True, spread_weight=self._spread_weight(now))
-            if now + late + self._returning() > piece.deadline:
+            if now + self._slow_side(piece.cost, now) + self._returning() > piece.deadline:
                 expired.append(piece)
                 continue
             queue.running_cost, queue.running_since = piece.cost, now
@@ -671,10 +672,9 @@ class Batcher(Generic[Rows]):
         rows = cost = longest = total = 0
         earliest = math.inf
         returning = self._returning(taking=True)
-        spread_weight = self._spread_weight(now)
 
         def answered(batch_cost: int) -> float:
-            return now + self._speed.batch_seconds(batch_cost, late=True, spread_weight=spread_weight) + returning
+            return now + self._slow_side(batch_cost, now) + returning
 
         while queue.pending:
             piece = queue.pending[0]
