@@ -171,6 +171,65 @@ def test_a_hammering_connection_waits_out_its_retry_after_while_a_new_one_is_ans
     assert [step.startswith("held;dur=") for step in timing] == [False, True, False], "Server-Timing says which"
 
 
+def letting_in(early: EarlyRetries, path: str, per_second: float, until: float) -> None:
+    """The door let requests to `path` through at `per_second` for the second before `until`."""
+    for index in range(int(per_second)):
+        early.let_in(path, until - 1 + index / per_second)
+
+
+def test_a_refusal_asks_the_client_back_when_its_turn_can_come_behind_the_others_waiting() -> None:
+    """300 clients wait out a refusal of /embed while the door lets 100 a second in: a new one's turn
+    is 3 s away, whatever the queue's estimate; at /classify, where nobody waits, it is not."""
+    early = EarlyRetries()
+    letting_in(early, "/embed", 100, until=100.0)
+    letting_in(early, "/classify", 100, until=100.0)
+    for port in range(300):
+        early.delay(("10.0.0.1", port), 100.0, retry_after_s=1.0, path="/embed")
+
+    assert early.turn_in("/embed", ("10.0.0.2", 1), 100.0) == pytest.approx(3.0, rel=0.02)
+    assert early.turn_in("/classify", ("10.0.0.2", 1), 100.0) == 0.0
+
+
+def test_a_client_waiting_alone_is_not_asked_to_wait_for_itself_and_a_turn_is_capped() -> None:
+    early = EarlyRetries()
+    letting_in(early, "/embed", 100, until=50.0)
+    early.delay(("10.0.0.1", 1), 50.0, retry_after_s=1.0, path="/embed")
+    assert early.turn_in("/embed", ("10.0.0.1", 1), 50.5) == 0.0
+    for port in range(2, 1002):
+        early.delay(("10.0.0.1", port), 50.5, retry_after_s=1.0, path="/embed")
+    assert early.turn_in("/embed", ("10.0.0.2", 1), 50.6) == MAX_HOLD_S  # 1 000 at 100 a second: 10 s
+
+
+def test_no_turn_is_judged_from_a_rate_the_door_has_not_seen_lately() -> None:
+    """A burst after a quiet spell, or deadlines so short that nobody is let in: the requests let
+    in long ago say nothing of the rate now, and the queue's own estimate is the Retry-After."""
+    early = EarlyRetries()
+    letting_in(early, "/embed", 100, until=0.0)
+    for port in range(300):
+        early.delay(("10.0.0.1", port), 3600.0, retry_after_s=1.0, path="/embed")
+    assert early.turn_in("/embed", ("10.0.0.2", 1), 3600.0) == 0.0
+
+
+def test_the_door_sends_the_turn_as_retry_after_and_answers_a_new_client_at_once() -> None:
+    early = EarlyRetries()
+    now = time.monotonic()
+    letting_in(early, "/classify", 50, until=now)
+    for port in range(120):
+        early.delay(("10.0.0.1", port), now, retry_after_s=1.0, path="/classify")
+    soon = QueueFull("the test queue is full", retry_after_s=0.2)  # alone, sent as Retry-After: 1
+    door = Door(App(), guards={"/classify": lambda *_: soon}, early_retries=early)
+
+    async def refused() -> tuple[httpx.Response, float]:
+        transport = httpx.ASGITransport(app=door, client=("10.0.0.2", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://door") as client:
+            started = time.perf_counter()
+            return await client.post("/classify", content=b"x"), time.perf_counter() - started
+
+    answer, seconds = asyncio.run(refused())
+    assert answer.status_code == 429 and seconds < 0.05
+    assert answer.headers["retry-after"] == "3"  # 120 waiting, 50 let in a second: 2.4 s
+
+
 def test_the_batchers_door_check_judges_the_queue_alone_and_counts_its_refusals() -> None:
     """One request of 0.1 s runs; a 120 ms deadline leaves no room for another, a 1 s one does."""
     batcher = make_batcher(RecordingModel(seconds_per_batch=0.1), endpoint="door-check", max_batch_size=1)
