@@ -90,6 +90,12 @@ class OnnxEngine:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if settings.spin else "0")
+        # No memory pattern: it plans a block per input shape it sees, and served traffic brings
+        # every batch size up to the cap. EfficientNet-Lite0 after 40 batches of 1-64 rows: 833
+        # MiB over its start against 937 (the same 705 after growing sizes alone); 64-row batches
+        # 398 against 394 ms; /classify swept to 64 clients: the worker 1 196 and 1 224 MiB after
+        # it against 1 279 and 1 298, at the same req/s (2 AVX2 cores, alternated; BENCHMARKS.md).
+        options.enable_mem_pattern = False
         options.log_severity_level = 3  # errors only: graph-cleanup notices would flood service logs
         self.session = ort.InferenceSession(
             str(model_path),
