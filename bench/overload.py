@@ -7,9 +7,11 @@ against one `bentoml serve` of the manifest's models:
 2. knee: a closed-loop sweep (loadtest) → the best throughput with p99 within the SLO, whose
    level is then measured again for up to `--knee-again-s` (the best of several short windows
    runs high): the throughput the flood's goodput is judged against;
-3. flood: `--factor` × the knee's concurrency for `--flood-s` seconds, the lowest concurrency
-   within 5 % of the knee's throughput (on a flat curve the best level is wherever the noise
-   puts it: /embed's knee read 2 clients in one sweep, 128 in the next) → goodput (200s per
+3. flood: `--factor` × the knee's concurrency for `--flood-s` seconds, the highest concurrency
+   within 5 % of the knee's throughput and within the SLO, where the plateau ends (on a flat curve
+   the best level, and where the plateau starts, are wherever the noise puts them: /embed's knee
+   read 2 clients in one sweep, 128 in the next; /classify's plateau started at 8 clients in one,
+   64 in another, floods of 32 that refused nothing and of 256) → goodput (200s per
    second, and those on time, within the SLO: a late answer is of no use to a client that gave
    up on it), the accepted requests' p99 against the SLO, the refusals' p99 and their statuses,
    and apart those answered at once (not held for an early retry: their `Server-Timing` has no
@@ -74,7 +76,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="sweep levels that find the knee",
     )
     parser.add_argument(
-        "--factor", type=float, default=4.0, help="flood concurrency = factor × the knee's (where it saturates)"
+        "--factor", type=float, default=4.0, help="flood concurrency = factor × the knee's (where its plateau ends)"
     )
     parser.add_argument("--flood-concurrency", type=int, help="a fixed flood concurrency instead (e.g. 256)")
     parser.add_argument("--flood-s", type=float, default=60.0)
@@ -384,7 +386,7 @@ def measure_endpoint(
     # best runs high: /embed's read 198 req/s at 64 clients, and 64 clients then held 171 for the
     # flood's 60 s with nothing refused. Measured again, on its own, it is a fair reference.
     knee_again = sweep((knee.level,), 1.0, args.knee_again_s / 4).levels[0].result.throughput
-    concurrency = args.flood_concurrency or max(1, round(args.factor * knee.saturated_at))
+    concurrency = args.flood_concurrency or max(1, round(args.factor * knee.plateau_end))
     print(f"flooding {url} at concurrency {concurrency} for {args.flood_s:g} s …", file=sys.stderr)
     headers = {"X-Deadline-Ms": str(args.deadline_ms)} if args.deadline_ms else {}
     if args.expect_continue:
@@ -412,6 +414,7 @@ def measure_endpoint(
             "throughput": knee.throughput,
             "p99_ms": knee.p99_ms,
             "saturated_at": knee.saturated_at,
+            "plateau_end": knee.plateau_end,
             "throughput_again": knee_again,
         },
         "flood": asdict(flood),
@@ -428,7 +431,7 @@ def print_summary(results: dict[str, Any]) -> None:
     table = Table(title="overload: a flood at factor × the knee's concurrency")
     for column in (
         "model",
-        "knee req/s: sweep, again (conc.; saturated from)",
+        "knee req/s: sweep, again (conc.; plateau)",
         "flood conc.",
         "goodput req/s (on time)",
         "accepted p99 ms: client, in server (SLO)",
@@ -444,7 +447,7 @@ def print_summary(results: dict[str, Any]) -> None:
         table.add_row(
             model,
             f"{r['knee']['throughput']:.1f}, {r['knee']['throughput_again']:.1f}"
-            f" ({r['knee']['concurrency']:g}; {r['knee']['saturated_at']:g})",
+            f" ({r['knee']['concurrency']:g}; {r['knee']['saturated_at']:g}–{r['knee']['plateau_end']:g})",
             str(flood["concurrency"]),
             f"{flood['goodput']:.1f} ({flood['on_time']:.1f})",
             f"{number_text(flood['accepted_p99_ms'])}, {number_text(flood['accepted_server_p99_ms'])}"

@@ -27,10 +27,13 @@ class Knee:
     throughput: float
     p99_ms: float
     slo_ms: float
-    # The lowest level already on the plateau: where added load stops adding throughput. On a
-    # flat curve the best level is wherever noise puts it (one server's text sweeps put it at 2
-    # and at 128 clients), so a load scaled from the knee (bench.overload's flood) scales from this.
+    # The lowest level already on the plateau: where added load stops adding throughput.
     saturated_at: float
+    # The highest level on it within the SLO: the most clients served at the best throughput in
+    # time. On a flat curve the best level, and where the plateau starts, are wherever noise puts
+    # them (one server's text sweeps read 2, 32 and 128 clients), while its end is set by the SLO,
+    # so a load scaled from the knee (bench.overload's flood) scales from this.
+    plateau_end: float
 
 
 def find_knee(points: Sequence[Point], *, slo_ms: float, max_error_rate: float = 0.0) -> Knee | None:
@@ -39,8 +42,15 @@ def find_knee(points: Sequence[Point], *, slo_ms: float, max_error_rate: float =
     if not eligible:
         return None
     best = max(eligible, key=lambda p: (p.throughput, -p.level))
-    plateau = min(p.level for p in eligible if p.throughput >= PLATEAU_SHARE * best.throughput)
-    return Knee(level=best.level, throughput=best.throughput, p99_ms=best.p99_ms, slo_ms=slo_ms, saturated_at=plateau)
+    plateau = [p.level for p in eligible if p.throughput >= PLATEAU_SHARE * best.throughput]
+    return Knee(
+        level=best.level,
+        throughput=best.throughput,
+        p99_ms=best.p99_ms,
+        slo_ms=slo_ms,
+        saturated_at=min(plateau),
+        plateau_end=max(plateau),
+    )
 
 
 @dataclass(frozen=True)

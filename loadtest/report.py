@@ -71,6 +71,7 @@ def print_report(result: SweepResult, console: Console) -> None:
     console.print(
         f"knee: {knee.throughput:.1f} req/s at level {knee.level:g} (p99 {knee.p99_ms:.1f} ms ≤ SLO "
         f"{knee.slo_ms:g} ms); within {PLATEAU_SHARE:.0%} of it from level {knee.saturated_at:g}"
+        f" to {knee.plateau_end:g}"
     )
     plan = result.capacity_plan
     if plan is not None:

@@ -62,18 +62,22 @@ def test_knee_is_the_best_throughput_within_the_slo_and_error_free() -> None:
     assert find_knee(points, slo_ms=10) is None
 
 
-def test_the_knee_saturates_at_the_lowest_level_within_noise_of_its_throughput() -> None:
-    """A flat curve's best level is noise; a load scaled from the knee scales from its start."""
+def test_the_knees_plateau_runs_from_the_lowest_to_the_highest_level_within_noise_of_its_throughput() -> None:
+    """A flat curve's best level is noise; its plateau ends where the SLO does."""
     flat = [
         Point(level=c, throughput=t, p99_ms=c * 8, error_rate=0)
         for c, t in [(1, 142), (2, 174), (4, 172), (8, 180), (16, 185), (32, 186), (64, 197)]
     ]
     knee = find_knee(flat, slo_ms=1000)
-    assert (knee.level, knee.throughput, knee.saturated_at) == (64, 197, 64)  # 186 is 5.6 % short
+    assert (knee.level, knee.throughput, knee.saturated_at, knee.plateau_end) == (64, 197, 64, 64)  # 186: 5.6 % short
     knee = find_knee([*flat[:-1], Point(level=64, throughput=190, p99_ms=512, error_rate=0)], slo_ms=1000)
-    assert (knee.level, knee.saturated_at) == (64, 16)
+    assert (knee.level, knee.saturated_at, knee.plateau_end) == (64, 16, 64)
+    knee = find_knee([*flat, Point(level=128, throughput=199, p99_ms=1024, error_rate=0)], slo_ms=1000)
+    assert (knee.level, knee.saturated_at, knee.plateau_end) == (64, 64, 64)  # 128 clients: past the SLO
+    peaked = [*flat[:4], Point(level=16, throughput=200, p99_ms=80, error_rate=0), Point(64, 150, 400, 0)]
+    assert find_knee(peaked, slo_ms=1000).plateau_end == 16  # beyond the peak, throughput fell
     steep = [Point(level=c, throughput=10 * c, p99_ms=50, error_rate=0) for c in (1, 2, 4)]
-    assert find_knee(steep, slo_ms=1000).saturated_at == 4
+    assert (find_knee(steep, slo_ms=1000).saturated_at, find_knee(steep, slo_ms=1000).plateau_end) == (4, 4)
 
 
 def test_percentiles_are_observed_values_and_summaries_add_up() -> None:
