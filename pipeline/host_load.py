@@ -24,7 +24,7 @@ _BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
 class CpuClock(NamedTuple):
     wall: float
     machine_busy: float  # CPU-seconds every core of the machine spent busy since boot
-    own: float  # CPU-seconds this process has used
+    own: float  # CPU-seconds this process and its finished children have used
 
 
 def cpu_clock() -> CpuClock | None:
@@ -34,8 +34,12 @@ def cpu_clock() -> CpuClock | None:
         return None
     columns = stat.read_text().split("\n", 1)[0].split()[1:]
     ticks = sum(int(columns[i]) for i in _BUSY_COLUMNS if i < len(columns))
-    own = os.times()
-    return CpuClock(time.monotonic(), ticks / os.sysconf("SC_CLK_TCK"), own.user + own.system)
+    own = os.times()  # with the children it has waited for: the working-memory measurement's process is its own work
+    return CpuClock(
+        time.monotonic(),
+        ticks / os.sysconf("SC_CLK_TCK"),
+        own.user + own.system + own.children_user + own.children_system,
+    )
 
 
 def other_load(start: CpuClock | None, end: CpuClock | None) -> OtherLoad | None:

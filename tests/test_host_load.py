@@ -42,6 +42,20 @@ def test_the_pipelines_own_work_is_not() -> None:
     assert spinning.busy_cores < idle.busy_cores + 0.5
 
 
+def test_a_process_the_pipeline_runs_and_waits_for_is_its_own_work() -> None:
+    """The working-memory measurement runs in a child process inside the profiling step: read as
+    another's work, 8 s of it flagged every image build as profiled on a busy machine."""
+    start = cpu_clock()
+    time.sleep(1.5)
+    idle = other_load(start, cpu_clock())
+    spin = "import time\nend = time.monotonic() + 1.5\nwhile time.monotonic() < end: pass"
+    start = cpu_clock()
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    child = other_load(start, cpu_clock())
+    assert idle is not None and child is not None
+    assert child.busy_cores < idle.busy_cores + 0.5
+
+
 def test_a_busy_profile_is_flagged_in_the_report_and_a_quiet_one_is_not() -> None:
     assert "rebuild on a quiet machine" in load_text(OtherLoad(seconds=90, cores=2, busy_cores=1.1))
     quiet = load_text(OtherLoad(seconds=90, cores=2, busy_cores=0.04))
