@@ -185,6 +185,11 @@ class _Speed:
         own clock; at 4 spreads, 1 % (RELIABILITY.md). `spread_weight`: `Batcher._spread_weight`."""
         return self._interpolated(cost, lambda point: LATE_SPREADS * spread_weight * point[2])
 
+    def slow_side(self, cost: float, spread_weight: float) -> float:
+        """`batch_seconds` plus `slow_margin`, in one interpolation (linear: the same sum): the
+        engine thread asks it of every piece it takes, twice."""
+        return self._interpolated(cost, lambda point: point[1] + LATE_SPREADS * spread_weight * point[2])
+
     def _interpolated(self, cost: float, figure: Callable[[tuple[float, float, float]], float]) -> float:
         """A batch figure for `cost` units, linear between the nearest sizes measured and in
         proportion to cost beyond them; 0 before any batch ran."""
@@ -401,11 +406,6 @@ class Batcher(Generic[Rows]):
         waiting = len(queue.pending) + len(queue.low) - taking
         busy = queue.reserved_rows or queue.running_cost or waiting > 0
         return self._speed.return_seconds if busy else 0.0
-
-    def _slow_side(self, cost: float, now: float) -> float:
-        """The engine time of one batch of `cost` units where a deadline must hold: its mean plus
-        `slow_margin`. Caller holds the lock."""
-        return self._speed.batch_seconds(cost) + self._speed.slow_margin(cost, self._spread_weight(now))
 
     def _spread_weight(self, now: float) -> float:
         """How much of the batches' learned spread still holds: all of it while a batch runs or
@@ -641,12 +641,13 @@ class Batcher(Generic[Rows]):
         ones before it. Caller holds the lock."""
         queue = self._queue
         expired: list[_Pending] = []
+        weight = self._spread_weight(now)
         while queue.low:
             piece = queue.low.popleft()
             queue.low_cost -= piece.cost
             if piece.future.cancelled():
                 continue
-            if now + self._slow_side(piece.cost, now) + self._returning() > piece.deadline:
+            if now + self._speed.slow_side(piece.cost, weight) + self._returning() > piece.deadline:
                 expired.append(piece)
                 continue
             queue.running_cost, queue.running_since = piece.cost, now
@@ -671,10 +672,10 @@ class Batcher(Generic[Rows]):
         expired: list[_Pending] = []
         rows = cost = longest = total = 0
         earliest = math.inf
-        returning = self._returning(taking=True)
+        returning, weight = self._returning(taking=True), self._spread_weight(now)
 
         def answered(batch_cost: int) -> float:
-            return now + self._slow_side(batch_cost, now) + returning
+            return now + self._speed.slow_side(batch_cost, weight) + returning
 
         while queue.pending:
             piece = queue.pending[0]
