@@ -65,8 +65,9 @@ def table(recipe: Recipe, candidates: list[Candidate], eager: list[ProfilePoint]
         value = f"{c.metrics[metric]:.4f}" if metric in c.metrics else "-"
         verdict = "yes" if c.accepted else f"no ({c.reason})"
         slices = [_drop_text(c, name, metric) for name in (HELD_OUT, "perturbed")]
+        size = f"{c.size_mb:.1f}" if c.size_mb else "-"  # none: never built, or not kept
         rows.append(
-            f"| {c.variant} | {c.engine} | {c.precision} | {c.size_mb:.1f} | {_batch1(c.profile)} | {speed} | {ratios} "
+            f"| {c.variant} | {c.engine} | {c.precision} | {size} | {_batch1(c.profile)} | {speed} | {ratios} "
             f"| {metric} {value} | {' | '.join(slices)} | {verdict} |"
         )
     return HEADER + "\n".join(rows) + "\n"

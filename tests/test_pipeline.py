@@ -16,9 +16,10 @@ from pipeline.datasets import text_split
 from pipeline.export_check import ExportCheckError, check_export, image_batches, text_batches
 from pipeline.profile import runtime_runner, sampler
 from pipeline.recipe import LoadedRecipe
-from pipeline.report import write_report
+from pipeline.report import table, write_report
 from pipeline.sources import load_source
 from pipeline.tasks import TASKS
+from pipeline.tuning import Candidate
 from sample_inputs import sample_photos
 from serving.artifacts import mismatched_files
 from serving.engine import EngineSettings, OnnxEngine
@@ -291,3 +292,13 @@ def test_report_shows_the_caps_and_why(
     assert result.batching.reason in report
     assert "padded tokens per call (mean / max)" in report
     assert "engine memory (MiB)" in report
+
+
+def test_report_gives_no_size_for_a_variant_it_has_no_file_of(
+    built_models: dict[str, BuildResult], default_recipes: dict[str, LoadedRecipe]
+) -> None:
+    result = built_models["text-embedder"]
+    unbuilt = Candidate(variant="fp16", precision="fp16", reason="not built: no GPU provider here")
+    rows = table(default_recipes["text-embedder"].recipe, [*result.candidates, unbuilt], result.eager).splitlines()
+    assert next(row for row in rows if row.startswith("| fp16 |")).split(" | ")[3] == "-"
+    assert float(next(row for row in rows if row.startswith("| fp32 |")).split(" | ")[3]) > 1
