@@ -73,7 +73,7 @@ BULK_BATCH_SECONDS = 0.002
 # Interactive traffic is "still coming" for this long after its last request.
 INTERACTIVE_QUIET_SECONDS = 0.25
 # Requests handed their batch's outputs per turn of the event loop (`Batcher._deliver`).
-DELIVERED_PER_TURN = 8
+DELIVERED_PER_TURN = 1
 # The queue ahead of a request counts this much longer than its engine time at the mean pace
 # (`Batcher._judge`). Judged at the mean, 2-6 % of the requests admitted to a flood of 256 clients
 # with a 1 s deadline (2 cores, AVX2) waited out their deadline in the queue and were refused after
@@ -583,7 +583,10 @@ class Batcher(Generic[Rows]):
         of the event loop. Each request then writes its answer in one step of about 0.25 ms
         (MiniLM, 2 cores): all 64 of a full batch in one turn held the loop for some 16 ms, in
         which no new request was read, so a refusal waited as long. The loop reads its sockets
-        between turns: under a text flood its lag fell from 8-10 to 3 ms at p99 (RELIABILITY.md)."""
+        between turns: under a text flood its lag fell from 8-10 to 3 ms at p99 at eight a turn,
+        and one a turn took a refusal's p90 at the client from 11 to 3.4 ms: closed-loop clients
+        answered together come back together, and their requests then fill the turn in which a
+        refusal waits (RELIABILITY.md)."""
         for piece in batch[:DELIVERED_PER_TURN]:
             if not piece.future.done():
                 if error is not None:
