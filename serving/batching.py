@@ -584,7 +584,7 @@ class Batcher(Generic[Rows]):
         (MiniLM, 2 cores): all 64 of a full batch in one turn held the loop for some 16 ms, in
         which no new request was read, so a refusal waited as long. The loop reads its sockets
         between turns: under a text flood its lag fell from 8-10 to 3 ms at p99 at eight a turn,
-        and one a turn took a refusal's p90 at the client from 11 to 3.4 ms: closed-loop clients
+        and one a turn took a refusal's p90 at the client from 11 to 3-4 ms: closed-loop clients
         answered together come back together, and their requests then fill the turn in which a
         refusal waits (RELIABILITY.md)."""
         for piece in batch[:DELIVERED_PER_TURN]:
