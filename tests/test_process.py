@@ -26,8 +26,6 @@ for n in range(600_000):
     request = {"n": n, "headers": [("a", "b")]}
     request["self"] = request
     alive.append(request)
-    if n % 7 == 0:
-        alive.popleft() if alive else None
 print(json.dumps({"counts": counts, "young_behind_middle": max(behind, default=0)}))
 """
 
