@@ -9,7 +9,15 @@ import pytest
 from conftest import own_home
 
 from bench import overload
-from bench.overload import BUCKET_S, recovered_after, rss_verdict, summarize_flood, verdicts
+from bench.overload import (
+    BUCKET_S,
+    lone_client_verdict,
+    recovered_after,
+    rss_verdict,
+    summarize_flood,
+    summarize_lone_client,
+    verdicts,
+)
 from loadtest.stats import Outcome
 
 STEADY = [(0.0, 500.0), (30.0, 560.0), (66.0, 510.0)]
@@ -56,6 +64,22 @@ def test_refusals_sent_in_the_floods_onset_are_also_read_apart() -> None:
 
     assert flood.refused_on_admission_p99_ms == 90.0
     assert flood.refused_on_admission_after_onset_p99_ms == 3.0
+
+
+def test_the_client_beside_the_flood_is_read_on_its_refusals_on_admission_alone() -> None:
+    refusal = dict(status="503", refusal="overloaded", server_ms=0.2)
+    sent = [Outcome(finished=1.0, latency=i / 1000, **refusal) for i in range(1, 10)]
+    sent += [Outcome(finished=1.0, latency=0.012, status="200")]
+    sent += [Outcome(finished=1.0, latency=0.9, status="503", refusal="expired", server_ms=900.0)]
+
+    lone = summarize_lone_client(sent)
+
+    assert (lone["sent"], lone["refused_on_admission"]) == (11, 9)
+    assert lone["statuses"] == {"200": 1, "503": 10}
+    assert lone["refused_ms"]["p99"] == 9.0 and lone["refused_in_server_ms"]["p99"] == 0.2
+    assert not lone_client_verdict(lone)["met"], "9 ms is over the issue's 5"
+    assert lone_client_verdict(summarize_lone_client(sent[:5]))["met"], "5 ms at most"
+    assert not lone_client_verdict(summarize_lone_client(sent[9:]))["met"], "nothing refused is no reading"
 
 
 def test_answers_later_than_the_deadline_count_as_goodput_but_not_as_on_time() -> None:
@@ -111,4 +135,7 @@ def test_a_short_flood_of_the_test_store_runs_every_phase_and_records_it(manifes
     assert set(flood["statuses"]) <= {"200", "429", "503"} and text["targets"]["only_200_429_503"]["met"]
     assert flood["refused_on_admission"] > 0 and flood["refused_on_admission_server_p99_ms"] is not None
     assert flood["recovery_p99_ms"] and flood["rss_mib"]
+    lone = flood["lone_client"]
+    assert lone["sent"] > 10 and lone["refused_on_admission"] > 0, "one more client, refused beside the flood"
+    assert text["targets"]["lone_client_refusals_p99_ms"]["in_server_p99_ms"] is not None
     assert report.with_suffix(".png").exists()
