@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import secrets
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -27,10 +28,10 @@ DEADLINE_MS = 1
 
 async def probe(url: str, request: Request, seconds: float, every_s: float = EVERY_S) -> list[Outcome]:
     """`request` every `every_s` for `seconds`, one at a time, each under an id of its own."""
-    pool, recorder = Pool(url, timeout=30), Recorder()
+    pool, recorder, run = Pool(url, timeout=30), Recorder(), secrets.token_hex(4)
     ends, sent = time.perf_counter() + seconds, 0
     while (started := time.perf_counter()) < ends:
-        await send(pool, with_request_id(request, f"lone-client-{sent}"), recorder, started)
+        await send(pool, with_request_id(request, f"lone-client-{run}-{sent}"), recorder, started)
         sent += 1
         await asyncio.sleep(max(0.0, every_s - (time.perf_counter() - started)))
     pool.close()
