@@ -19,7 +19,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from loadtest.client import Pool
-from loadtest.generator import Request, send, with_request_id
+from loadtest.generator import Request, post_requests, send, with_request_id
+from loadtest.inputs import Payload
 from loadtest.stats import Outcome, Recorder
 
 EVERY_S = 0.02
@@ -42,7 +43,9 @@ def probe_in_this_process(url: str, request: Request, seconds: float) -> list[Ou
     return asyncio.run(probe(url, request, seconds))
 
 
-async def beside(url: str, request: Request, seconds: float) -> list[Outcome]:
-    """`probe` in a fresh process (spawned: nothing of the flood's loop comes with it)."""
+async def beside(url: str, payload: Payload, seconds: float) -> list[Outcome]:
+    """`probe` of `payload` under `DEADLINE_MS`, in a fresh process (spawned: nothing of the
+    flood's loop comes with it)."""
+    (request,) = post_requests(url, [payload], {"X-Deadline-Ms": str(DEADLINE_MS)})
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
         return await asyncio.get_running_loop().run_in_executor(process, probe_in_this_process, url, request, seconds)

@@ -58,7 +58,6 @@ from urllib.parse import urlsplit
 from loadtest.sweep import CONCURRENCY_LEVELS
 
 if TYPE_CHECKING:
-    from loadtest.generator import Request
     from loadtest.inputs import Payload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -161,7 +160,7 @@ async def flood_then_recover(
     url: str,
     requests: list,
     probes: list,
-    lone: Request,
+    lone: Payload,
     *,
     concurrency: int,
     bound_ms: float,
@@ -434,7 +433,6 @@ def measure_endpoint(
     """`one`: of `payloads`, the request the client beside the flood sends."""
     import uvloop
 
-    from bench.lone_client import DEADLINE_MS
     from loadtest.generator import post_requests
     from loadtest.sweep import SweepSettings, run_sweep
 
@@ -458,7 +456,6 @@ def measure_endpoint(
     if args.expect_continue:
         headers["Expect"] = "100-continue"
     requests, probes = post_requests(url, payloads, headers), post_requests(url, payloads)
-    (lone,) = post_requests(url, [one], {"X-Deadline-Ms": str(DEADLINE_MS)})
     bound_ms = RECOVERED_WITHIN * unloaded.p99
     slo_ms = min(slo_ms, args.deadline_ms or slo_ms)
     flood = uvloop.run(
@@ -466,7 +463,7 @@ def measure_endpoint(
             url,
             requests,
             probes,
-            lone,
+            one,
             concurrency=concurrency,
             bound_ms=bound_ms,
             deadline_ms=slo_ms,
