@@ -173,8 +173,7 @@ class _Speed:
         self.backlog_batch_cost = _smooth(self.backlog_batch_cost, cost)
 
     def batch_seconds(self, cost: float) -> float:
-        """The engine time of one batch of `cost` units: interpolated between the nearest sizes
-        measured, at the nearest size's speed beyond them; 0 before any batch ran."""
+        """The engine time of one batch of `cost` units (`_interpolated`); 0 before any batch ran."""
         return self._interpolated(cost, lambda point: point[1])
 
     def slow_margin(self, cost: float, spread_weight: float = 1.0) -> float:
@@ -191,17 +190,24 @@ class _Speed:
         return self._interpolated(cost, lambda point: point[1] + LATE_SPREADS * spread_weight * point[2])
 
     def _interpolated(self, cost: float, figure: Callable[[tuple[float, float, float]], float]) -> float:
-        """A batch figure for `cost` units, linear between the nearest sizes measured and in
-        proportion to cost beyond them; 0 before any batch ran."""
+        """A batch figure for `cost` units, linear between the nearest sizes measured; beyond the
+        largest in proportion to cost; below the smallest along the line through the two smallest,
+        between the proportional figure and the smallest's own. In proportion there, a burst's
+        first full batches promised a lone 1-row request a sixteenth of a 16-row batch's time,
+        where the engine's fixed cost per batch made it two thirds, and let in deadlines it could
+        not keep. 0 before any batch ran."""
         points = self.points
         if not points:
             return 0.0
         above = bisect.bisect_right(points, (cost, math.inf, math.inf))
-        if above in (0, len(points)):
+        if above == len(points) or len(points) == 1:
             known = points[min(above, len(points) - 1)]
             return cost * figure(known) / known[0]
-        low, high = points[above - 1], points[above]
-        return figure(low) + (cost - low[0]) * (figure(high) - figure(low)) / (high[0] - low[0])
+        low, high = points[max(above, 1) - 1], points[max(above, 1)]
+        line = figure(low) + (cost - low[0]) * (figure(high) - figure(low)) / (high[0] - low[0])
+        if above == 0:
+            return min(figure(low), max(line, cost * figure(low) / low[0]))
+        return line
 
     def engine_seconds(self, cost: float, batch_cost: float) -> float:
         """Engine time for `cost` units run in batches of at most `batch_cost`: full batches, then the rest."""
@@ -211,9 +217,14 @@ class _Speed:
         return full * self.batch_seconds(batch_cost) + self.batch_seconds(rest)
 
     def small_batch_cost(self) -> int | None:
-        """The cost of about `BULK_BATCH_SECONDS` of engine time, once the engine's speed is known."""
-        per_cost = self.batch_seconds(1)
-        return max(1, int(BULK_BATCH_SECONDS / per_cost)) if per_cost else None
+        """The cost of about `BULK_BATCH_SECONDS` of engine time at the smallest batch's speed per
+        unit, once the engine's speed is known. Per unit, not `batch_seconds`: with the fixed cost
+        of a batch counted, one unit alone can take longer than that, and bulk work would crawl
+        one row a batch."""
+        if not self.points:
+            return None
+        cost, seconds, _ = self.points[0]
+        return max(1, int(BULK_BATCH_SECONDS * cost / seconds)) if seconds else None
 
     def observe_request(self, rows: int, cost: int) -> None:
         self.cost_per_row = _smooth(self.cost_per_row, cost / rows)

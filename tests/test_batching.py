@@ -236,6 +236,23 @@ def test_a_burst_after_a_lull_is_judged_at_the_speed_of_the_full_batches_it_will
     assert max(model.batches[6:]) == 16
 
 
+def test_a_smaller_request_than_any_batch_measured_is_judged_with_the_batchs_fixed_cost() -> None:
+    """30 ms per batch plus 1 ms per row: after batches of 16 and 8 rows (46 and 38 ms), a lone
+    row takes 31 ms. A 20 ms deadline for it is refused at once (in proportion to the 8-row
+    batch it looked like 4.75 ms, was let in and answered late); a 100 ms one is let in."""
+
+    async def learn_then_ask(timeout_ms: float) -> Exception | None:
+        model = RecordingModel(seconds_per_batch=0.03, seconds_per_row=0.001)
+        batcher = make_batcher(model, endpoint=f"small-{timeout_ms:g}", max_batch_size=16)
+        await submit(batcher, np.ones((16, 1)))
+        await submit(batcher, np.ones((8, 1)))
+        (outcome,) = await together(batcher, [np.ones((1, 1))], timeout_ms=timeout_ms)
+        return outcome if isinstance(outcome, Exception) else None
+
+    assert isinstance(asyncio.run(learn_then_ask(20)), DeadlineUnmet)
+    assert asyncio.run(learn_then_ask(100)) is None
+
+
 class UnevenModel:
     """Batches of one size whose engine time varies: these seconds in turn."""
 
