@@ -577,15 +577,14 @@ class Batcher(Generic[Rows]):
             self._work.notify()
 
     def _start(self) -> asyncio.AbstractEventLoop:
-        """The engine thread starts with the first request, on the loop that serves requests."""
+        """The engine thread starts with the first request; answers go to each request's own loop."""
         if self._closed:
             raise RuntimeError(f"the {self._metrics.endpoint} batcher is closed")
-        loop = asyncio.get_running_loop()
         if self._thread is None:
             name = f"engine-{self._metrics.endpoint}"
-            self._thread = threading.Thread(target=self._engine, args=(loop,), name=name, daemon=True)
+            self._thread = threading.Thread(target=self._engine, name=name, daemon=True)
             self._thread.start()
-        return loop
+        return asyncio.get_running_loop()
 
     def _deliver(
         self, batch: Sequence[_Pending], outputs: np.ndarray | None, error: BaseException | None, offset: int = 0
@@ -610,7 +609,7 @@ class Batcher(Generic[Rows]):
 
     # --- the engine thread's side ------------------------------------------------------------
 
-    def _engine(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _engine(self) -> None:
         rest = 0.0  # after a bulk batch under interactive traffic: as long as it ran
         while True:
             with self._work:
@@ -643,11 +642,12 @@ class Batcher(Generic[Rows]):
                         retry_after_s=1.0,
                     )
                 )
-                loop.call_soon_threadsafe(self._deliver, [piece], None, error)
+                piece.future.get_loop().call_soon_threadsafe(self._deliver, [piece], None, error)
             rest = 0.0
             if batch:
                 started = time.perf_counter()
-                loop.call_soon_threadsafe(self._deliver, batch, *self._run_batch(batch))
+                # One loop serves a batch's requests: the service runs one per worker.
+                batch[0].future.get_loop().call_soon_threadsafe(self._deliver, batch, *self._run_batch(batch))
                 rest = time.perf_counter() - started if bulk else 0.0
 
     def _take_low(self, now: float) -> tuple[list[_Pending], list[_Pending]]:

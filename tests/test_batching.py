@@ -253,6 +253,18 @@ def test_a_smaller_request_than_any_batch_measured_is_judged_with_the_batchs_fix
     assert asyncio.run(learn_then_ask(100)) is None
 
 
+def test_a_batcher_answers_on_the_loop_each_request_came_from_after_the_first_has_ended() -> None:
+    """A service app run again on a new event loop (an in-process test client, a restart in the
+    same process) keeps its batchers: an answer goes to its request's own loop, not to the loop
+    of the batcher's first request, which has closed."""
+    batcher = make_batcher(RecordingModel(seconds_per_batch=0.001), endpoint="two-loops")
+
+    first = asyncio.run(submit(batcher, np.ones((2, 1))))
+    second = asyncio.run(asyncio.wait_for(submit(batcher, np.full((3, 1), 2.0)), timeout=5))
+
+    assert first.tolist() == [[2.0], [2.0]] and second.tolist() == [[4.0], [4.0], [4.0]]
+
+
 class UnevenModel:
     """Batches of one size whose engine time varies: these seconds in turn."""
 
