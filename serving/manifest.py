@@ -143,7 +143,26 @@ def load_manifest(path: Path | None = None) -> ServingManifest:
         route = getattr(manifest, endpoint)
         if pinned(endpoint) and route is not None:
             setattr(manifest, endpoint, override_tag(route, os.environ[env], named_by="the environment"))
+    check_stored(manifest, path)
     return manifest
+
+
+def check_stored(manifest: ServingManifest, path: Path) -> None:
+    """Every route's model is in the store the service reads. A manifest written by a pipeline run
+    into another store (another `BENTOML_HOME`) names models this one lacks, and BentoML would say
+    only that it could not fetch them from BentoCloud."""
+    import bentoml
+
+    for name, route in manifest.routes().items():
+        try:
+            bentoml.models.get(route.tag)
+        except bentoml.exceptions.NotFound as exc:
+            home = os.environ.get("BENTOML_HOME", "~/bentoml, the default")
+            raise ManifestError(
+                f"{path} routes {name} to {route.tag}, which the model store of BENTOML_HOME={home} does not "
+                f"hold: build it into that store (`make optimize`), or set {MANIFEST_ENV} to the manifest "
+                "written with the store that holds it"
+            ) from exc
 
 
 def pinned(endpoint: str) -> bool:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from serving.manifest import ManifestError, Route, ServingManifest, read_manifest, update_manifest, write_manifest
+from serving.manifest import (
+    ManifestError,
+    Route,
+    ServingManifest,
+    load_manifest,
+    read_manifest,
+    update_manifest,
+    write_manifest,
+)
 
 
 def route(tag: str, recipe: str) -> Route:
@@ -79,6 +88,16 @@ def test_an_invalid_manifest_is_named_and_left_alone(served: Path) -> None:
     with pytest.raises(ManifestError, match=r"serving-manifest\.json is not a valid serving manifest"):
         update_manifest({"embed": TEXT}, served)
     assert served.read_text() == '{"classify": "not a route"}'
+
+
+def test_a_manifest_naming_models_the_store_lacks_is_refused_with_where_to_look(served: Path) -> None:
+    """As when the pipeline ran into another BENTOML_HOME than the one the service reads."""
+    with pytest.raises(ManifestError) as refused:
+        load_manifest(served)
+
+    message = str(refused.value)
+    assert str(served) in message and "image-classifier:aaa" in message
+    assert f"BENTOML_HOME={os.environ['BENTOML_HOME']}" in message and "OPTISERVE_MANIFEST" in message
 
 
 def test_writing_leaves_no_temporary_file_behind(served: Path) -> None:
