@@ -10,8 +10,8 @@ through its `TimeoutMiddleware`, which costs every request twice:
   256), in alternated rounds (RELIABILITY.md);
 - it schedules `loop.call_later(timeout, ...)` and never cancels it, so each answered request
   leaves a timer, a future, a context and a bound method alive until its timeout would have
-  passed (at 120 s, every request of the last two minutes: the worker's memory rose from flood to
-  flood and CPython's full collections walked those objects; RELIABILITY.md).
+  passed (46 s here; at 120 s the worker's memory rose from flood to flood and CPython's full
+  collections walked those objects; RELIABILITY.md).
 
 `RequestTimeout` keeps the behaviour (a 504 once the timeout passes before the answer has begun;
 an answer that has begun, a stream, is never cut) with `asyncio.timeout` in the request's task,
