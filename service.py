@@ -40,7 +40,6 @@ from serving.schemas import (
     EmbedResponse,
 )
 from serving.settings import front_workers, traffic_timeout_s
-from serving.timeouts import install as install_request_timeout
 from serving.tracing import RequestTracing, bentoml_tracing
 
 
@@ -167,9 +166,7 @@ for _name, _route in routes.items():
     for _operation in api.OPERATIONS[kinds[_name]]:
         setattr(Optiserve, *model_endpoint(_name, _route.recipe, _operation))
 
-# BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG), its
-# traffic timeout's middleware by serving/timeouts.py's, which runs in the request's own task.
-install_request_timeout()
+# BentoML's own access line is replaced by serving/tracing.py's JSON one (OPTISERVE_ACCESS_LOG).
 Optiserve = bentoml.service(
     name="optiserve",
     workers=front_workers(),
