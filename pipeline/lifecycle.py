@@ -11,7 +11,17 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
-from serving.aliases import DEFAULT_ALIAS, Alias, AliasError, aliases_path, label, promote, read_aliases, rollback
+from serving.aliases import (
+    DEFAULT_ALIAS,
+    Alias,
+    AliasError,
+    aliases_path,
+    label,
+    model_name,
+    promote,
+    read_aliases,
+    rollback,
+)
 from serving.manifest import ManifestError, manifest_path, read_manifest, route_path
 
 COMMANDS = ("promote", "rollback", "aliases", "shadow-report")
@@ -51,11 +61,13 @@ def main(argv: list[str]) -> int:
     path = aliases_path(args.manifest)
     try:
         if args.command == "promote":
-            model = args.tag.partition(":")[0]
+            model = model_name(args.tag)
             unset = routed_tag(args.manifest, model, args.alias)
             print(describe(model, args.alias, promote(path, args.tag, alias=args.alias, unset=unset)))
         elif args.command == "rollback":
-            print(describe(args.model, args.alias, rollback(path, args.model, alias=args.alias)))
+            model = model_name(args.model)
+            withdraw = routed_tag(args.manifest, model, args.alias) is None
+            print(describe(model, args.alias, rollback(path, model, alias=args.alias, withdraw=withdraw)))
         else:
             print(listing(args.manifest, path))
     except (AliasError, ManifestError) as exc:
@@ -70,8 +82,10 @@ def routed_tag(manifest: Path, model: str, alias: str) -> str | None:
     return next((r.tag for r in routes if (r.recipe, r.alias) == (model, alias)), None)
 
 
-def describe(model: str, alias: str, entry: Alias) -> str:
+def describe(model: str, alias: str, entry: Alias | None) -> str:
     """One line: what the alias names now and before."""
+    if entry is None:
+        return f"{label(model, alias)} unset: its share of the traffic ends"
     before = f" (before: {entry.history[-1].tag})" if entry.history else ""
     return f"{label(model, alias)} → {entry.current.tag}{before}"
 

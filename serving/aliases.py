@@ -76,8 +76,16 @@ def read_aliases(path: Path) -> Aliases:
         return Aliases.model_validate_json(path.read_text())
     except FileNotFoundError:
         return Aliases()
-    except ValidationError as exc:
+    except (ValidationError, UnicodeDecodeError) as exc:
         raise AliasError(f"{path} is not a valid alias file:\n{exc}") from exc
+    except OSError as exc:
+        raise AliasError(f"{path} cannot be read: {exc}") from exc
+
+
+def model_name(tag: str) -> str:
+    """The model a tag names, as the store names it: BentoML lowercases names (`Text-Embedder:1`
+    is `text-embedder:1`), so an alias is kept under the name the routes use."""
+    return tag.partition(":")[0].lower()
 
 
 def servable(tag: str, *, alias: str) -> Any:
@@ -112,7 +120,7 @@ def promote(path: Path, tag: str, *, alias: str = DEFAULT_ALIAS, unset: str | No
     version it named before kept in its history; for an alias not set yet, that is `unset`, what
     its route served meanwhile (the manifest's tag), so that the first promote can be rolled back
     too. Promoting the version it names already is a no-op."""
-    model = tag.partition(":")[0]
+    model = model_name(tag)
     name = label(model, _checked_name(alias))
     full = str(servable(tag, alias=name).tag)
     now = datetime.now(UTC)
@@ -131,15 +139,22 @@ def promote(path: Path, tag: str, *, alias: str = DEFAULT_ALIAS, unset: str | No
     return moved
 
 
-def rollback(path: Path, model: str, *, alias: str = DEFAULT_ALIAS) -> Alias:
+def rollback(path: Path, model: str, *, alias: str = DEFAULT_ALIAS, withdraw: bool = False) -> Alias | None:
     """Point `alias` back at the version it named before the last promote; that version must still
-    be servable. The version rolled back from leaves the history."""
+    be servable. The version rolled back from leaves the history. With no earlier version, `withdraw`
+    unsets the alias (None) instead of refusing: a canary's or a shadow's, whose share of the
+    traffic then ends, as it was before its first promote."""
+    model = model_name(model)
     name = label(model, _checked_name(alias))
     with _locked(path):
         aliases = read_aliases(path)
         entry = aliases.models.get(model, {}).get(alias)
         if entry is None:
             raise AliasError(f"alias {name} is not set: nothing to roll back")
+        if not entry.history and withdraw:
+            del aliases.models[model][alias]
+            _write(aliases, path)
+            return None
         if not entry.history:
             raise AliasError(f"alias {name} → {entry.current.tag} has no earlier version to roll back to")
         previous = entry.history[-1]

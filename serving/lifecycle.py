@@ -94,10 +94,18 @@ class Slot(Generic[Model]):
     def swap(self, model: Model) -> Model:
         """Serve `model` from the next lease on; the previous one closes once its last lease ends."""
         old, self._held = self._held, _Held(model)
-        old.retired = True
-        if old.leases == 0:
-            old.model.close()
-        return old.model
+        return _retire(old)
+
+    def retire(self) -> Model:
+        """Serve nothing more: the slot's model closes once its last lease ends."""
+        return _retire(self._held)
+
+
+def _retire(held: _Held[Model]) -> Model:
+    held.retired = True
+    if held.leases == 0:
+        held.model.close()
+    return held.model
 
 
 Side = Literal["primary", "canary", "shadow"]
@@ -143,6 +151,13 @@ class Split(Generic[Model]):
             return None
         return slot.swap(model)
 
+    def withdraw(self, side: Side) -> Model | None:
+        """End a canary's or a shadow's share from the next request on; its model, if it had one,
+        closes once the requests in flight on it are done."""
+        slot = getattr(self, side)
+        setattr(self, side, None)
+        return slot.retire() if slot is not None else None
+
 
 def _bucket(request_id: str | None, share: str) -> float:
     """The request's place in [0, 100) for one share: fixed by its id (the same in every worker and
@@ -167,7 +182,8 @@ def open_front(endpoint: str, stored: Any, route: Route, remote: Any = None) -> 
 
 class AliasWatcher:
     """Moves each watched endpoint's sides (its alias, its canary's, its shadow's) to the versions
-    they name, as they change; a canary or a shadow joins its endpoint when its alias is first set."""
+    they name, as they change; a canary or a shadow joins its endpoint when its alias is set, and
+    leaves it when its alias is unset again."""
 
     def __init__(self, path: Path, routes: dict[str, Route], splits: dict[str, Split]) -> None:
         self._path = path
@@ -211,6 +227,8 @@ class AliasWatcher:
                 tag, slot = aliases.tag(route.recipe, alias), getattr(split, side)
                 if tag is not None and (slot is None or tag != slot.model.tag):
                     await self._move(endpoint, route, split, (side, alias), tag)
+                elif tag is None and slot is not None and side != "primary":
+                    self._withdraw(endpoint, route, split, (side, alias))
 
     async def _move(self, endpoint: str, route: Route, split: Split, side: tuple[Side, str], tag: str) -> None:
         name = label(route.recipe, side[1])
@@ -229,6 +247,11 @@ class AliasWatcher:
         else:
             released = f"now {getattr(split, f'{side[0]}_percent'):g} % of the requests ({side[0]})"
         logger.info("%s: %s → %s, %s; %s", route_path(endpoint), name, tag, SWAPPED, released)
+
+    def _withdraw(self, endpoint: str, route: Route, split: Split, side: tuple[Side, str]) -> None:
+        withdrawn = split.withdraw(side[0])
+        count_swap(endpoint, "withdrawn")
+        logger.info("%s: %s unset, %s withdrawn", route_path(endpoint), label(route.recipe, side[1]), withdrawn.tag)
 
     def _open(self, endpoint: str, route: Route, side: tuple[Side, str], tag: str) -> ImageClassifier | TextEmbedder:
         """The new version's front, its files checked and its session warmed up (in a thread: it

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS, Aliases, aliases_path, read_aliases
+from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS, Aliases, aliases_path, label, model_name, read_aliases
 from serving.files import write_atomically
 
 MANIFEST_ENV = "OPTISERVE_MANIFEST"
@@ -137,8 +137,11 @@ def load_manifest(path: Path | None = None) -> ServingManifest:
     overrides from the environment (which pin the endpoint: see `pinned`)."""
     path = path or manifest_path()
     manifest = read_manifest(path)
-    aliases = read_aliases(aliases_path(path))
-    manifest = manifest.with_routes({name: aliased(route, aliases) for name, route in manifest.routes().items()})
+    aliases_file = aliases_path(path)
+    aliases = read_aliases(aliases_file)
+    manifest = manifest.with_routes(
+        {name: aliased(route, aliases, aliases_file) for name, route in manifest.routes().items()}
+    )
     for endpoint, env in TAG_OVERRIDE_ENV.items():
         route = getattr(manifest, endpoint)
         if pinned(endpoint) and route is not None:
@@ -171,10 +174,19 @@ def pinned(endpoint: str) -> bool:
     return endpoint in TAG_OVERRIDE_ENV and bool(os.environ.get(TAG_OVERRIDE_ENV[endpoint]))
 
 
-def aliased(route: Route, aliases: Aliases) -> Route:
-    """The route serving its alias's tag, with that model's batching; unchanged while the alias is unset."""
+def aliased(route: Route, aliases: Aliases, path: Path) -> Route:
+    """The route serving its alias's tag, with that model's batching; unchanged while the alias is
+    unset. A hand-edited alias naming another recipe's model is refused here as a swap to it is
+    while serving (serving/lifecycle.py): its route's requests would all fail."""
     tag = aliases.tag(route.recipe, route.alias)
-    return route if tag is None or tag == route.tag else override_tag(route, tag, named_by=f"alias {route.alias!r}")
+    if tag is None or tag == route.tag:
+        return route
+    if model_name(tag) != route.recipe:
+        raise ManifestError(
+            f"{path}: alias {label(route.recipe, route.alias)} names {tag}, a model of another recipe: "
+            f"its route serves {route.recipe} models"
+        )
+    return override_tag(route, tag, named_by=f"alias {route.alias!r}")
 
 
 def override_tag(route: Route, tag: str, *, named_by: str) -> Route:

@@ -206,7 +206,8 @@ class ModelMetrics:
 
 
 def count_swap(endpoint: str, outcome: str) -> None:
-    """One alias change of `endpoint`'s route: `swapped` or `refused`."""
+    """One alias change of `endpoint`'s route: `swapped`, `refused`, or `withdrawn` (a canary's or
+    a shadow's alias unset)."""
     instruments().swaps.labels(endpoint=endpoint, outcome=outcome).inc()
 
 

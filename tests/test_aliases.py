@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -24,7 +26,7 @@ from serving.aliases import Alias, AliasError, Aliases, Version, aliases_path, p
 from serving.batching import Batcher, BatchLimits
 from serving.files import write_atomically
 from serving.lifecycle import AliasWatcher, Slot, Split
-from serving.manifest import Route, ServingManifest, load_manifest, write_manifest
+from serving.manifest import ManifestError, Route, ServingManifest, load_manifest, write_manifest
 from serving.metrics import ModelMetrics
 from serving.shadow import MAX_IN_FLIGHT, compare_classes, compare_embeddings, shadowing
 
@@ -70,6 +72,25 @@ def test_aliases_of_one_model_move_independently(path: Path, versions: list[str]
     assert read_aliases(path).tag(MODEL, "canary") == versions[1]
     with pytest.raises(AliasError, match="alias alias-test@shadow is not set"):
         rollback(path, MODEL, alias="shadow")
+
+
+def test_a_tag_is_kept_under_the_model_name_the_store_gives_it(path: Path, versions: list[str]) -> None:
+    """BentoML lowercases names: a capitalised tag moves the alias the route reads, not another."""
+    promote(path, versions[0])
+    promote(path, versions[1].upper())
+    assert list(read_aliases(path).models) == [MODEL]
+    assert read_aliases(path).tag(MODEL, "stable") == versions[1]
+    assert rollback(path, MODEL.upper()).current.tag == versions[0]
+
+
+def test_rolling_a_canary_back_from_its_first_version_unsets_it(path: Path, versions: list[str]) -> None:
+    promote(path, versions[0], alias="canary")
+    promote(path, versions[1], alias="canary")
+    assert rollback(path, MODEL, alias="canary", withdraw=True).current.tag == versions[0]
+    assert rollback(path, MODEL, alias="canary", withdraw=True) is None
+    assert read_aliases(path).tag(MODEL, "canary") is None
+    with pytest.raises(AliasError, match="alias alias-test@canary is not set"):
+        rollback(path, MODEL, alias="canary", withdraw=True)
 
 
 def test_promoting_what_the_alias_names_already_changes_nothing(path: Path, versions: list[str]) -> None:
@@ -162,6 +183,25 @@ def test_the_command_line_promotes_lists_and_rolls_back(tmp_path: Path, versions
     )
 
 
+def test_the_command_line_withdraws_a_canary_and_keeps_the_routes_alias(
+    tmp_path: Path, versions: list[str], capsys
+) -> None:
+    """A canary's alias has no route of its own: rolled back from its first version, it is unset.
+    The route's own alias, rolled back as far as it goes, keeps serving and says so."""
+    manifest = tmp_path / "serving-manifest.json"
+    route = Route(tag=versions[0], recipe=MODEL, max_batch_size=4, max_latency_ms=900, max_items_per_request=8)
+    write_manifest(ServingManifest(embed=route), manifest)
+    where = ["--manifest", str(manifest)]
+    assert main(["promote", versions[1], "--alias", "canary", *where]) == 0
+    assert main(["rollback", MODEL, "--alias", "canary", *where]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "alias-test@canary unset: its share of the traffic ends"
+    assert read_aliases(aliases_path(manifest)).tag(MODEL, "canary") is None
+
+    assert main(["promote", versions[0], *where]) == 0
+    assert main(["rollback", MODEL, *where]) == 1
+    assert "has no earlier version to roll back to" in capsys.readouterr().err
+
+
 def test_alias_commands_do_not_load_torch() -> None:
     """A promote is quick: the build's imports (torch, about 10 s here) stay out of it."""
     code = "import sys, pipeline.__main__; print('torch' in sys.modules)"
@@ -174,6 +214,41 @@ def test_an_unreadable_alias_file_names_itself(path: Path) -> None:
     with pytest.raises(AliasError, match=r"serving-aliases\.json is not a valid alias file"):
         read_aliases(path)
     assert read_aliases(path.with_name("absent.json")) == Aliases()
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(AliasError, match=r"serving-aliases\.json is not a valid alias file"):
+        read_aliases(path)
+    a_folder = path.parent / "elsewhere" / "serving-aliases.json"
+    a_folder.mkdir(parents=True)
+    with pytest.raises(AliasError, match=r"serving-aliases\.json cannot be read: .*Is a directory"):
+        read_aliases(a_folder)
+
+
+def test_the_alias_file_is_written_readable_by_the_service_user(path: Path, versions: list[str]) -> None:
+    """A temporary file's 0600 would hide a host's promote from a container's non-root user."""
+    umask = os.umask(0o022)
+    try:
+        promote(path, versions[0])
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        path.chmod(0o640)
+        promote(path, versions[1])
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    finally:
+        os.umask(umask)
+
+
+def test_a_route_refuses_an_alias_naming_another_recipes_model(tmp_path: Path, versions: list[str]) -> None:
+    """At start as while serving: all of the route's requests would fail on it."""
+    manifest = tmp_path / "serving-manifest.json"
+    route = Route(
+        tag="text-embedder:built", recipe="text-embedder", max_batch_size=4, max_latency_ms=900, max_items_per_request=8
+    )
+    write_manifest(ServingManifest(embed=route), manifest)
+    hand_edited = Aliases(
+        models={"text-embedder": {"stable": Alias(current=Version(tag=versions[0], since="2026-12-01T00:00:00Z"))}}
+    )
+    write_atomically(aliases_path(manifest), hand_edited.model_dump_json())
+    with pytest.raises(ManifestError, match=rf"alias text-embedder@stable names {versions[0]}, a model of another"):
+        load_manifest(manifest)
 
 
 @dataclass
@@ -256,6 +331,36 @@ def test_the_watcher_refuses_a_version_of_another_model_and_keeps_serving(
     assert split.primary.model.tag == "text-embedder:built"
     assert REGISTRY.get_sample_value("optiserve_model_swaps_total", refusals) == before + 1
     assert f"alias text-embedder@stable → {versions[0]} refused: /embed serves text-embedder models" in caplog.text
+
+
+def test_the_watcher_withdraws_a_canary_whose_alias_is_unset(tmp_path: Path, versions: list[str], caplog) -> None:
+    path = tmp_path / "serving-aliases.json"
+    promote(path, versions[1], alias="canary")
+    route = Route(
+        tag=versions[0],
+        recipe=MODEL,
+        max_batch_size=4,
+        max_latency_ms=900,
+        max_items_per_request=8,
+        canary={"alias": "canary", "percent": 50},
+    )
+    split = Split(Slot(front(versions[0])), canary_percent=50.0)
+    canary = front(versions[1])
+    split.put(canary, "canary")
+    watcher = AliasWatcher(path, {"embed": route}, {"embed": split})
+    asyncio.run(watcher.check())
+    assert split.canary is not None, "its alias names what it serves: nothing moves"
+
+    withdrawals = {"endpoint": "embed", "outcome": "withdrawn"}
+    before = REGISTRY.get_sample_value("optiserve_model_swaps_total", withdrawals) or 0.0
+    rollback(path, MODEL, alias="canary", withdraw=True)
+    with caplog.at_level("INFO"):
+        asyncio.run(watcher.check())
+
+    assert split.canary is None and canary.model._closed
+    assert {split.slot(f"id-{i}").model.tag for i in range(100)} == {versions[0]}
+    assert REGISTRY.get_sample_value("optiserve_model_swaps_total", withdrawals) == before + 1
+    assert f"/embed: alias-test@canary unset, {versions[1]} withdrawn" in caplog.text
 
 
 def test_shadow_comparisons_per_row() -> None:
