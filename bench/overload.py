@@ -235,11 +235,11 @@ async def refusal_counts(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from loadtest.client import fetch
-    from loadtest.server_metrics import endpoint_label, metrics_url
+    from loadtest.server_metrics import endpoint_label, metrics_url, parse
     from serving.metrics import HELD_METRIC, REFUSED_METRIC
 
     page = (await fetch(metrics_url(url), timeout=10)).body.decode()
-    endpoint, counts = endpoint_label(urlsplit(url).path), {}
+    endpoint, counts = endpoint_label(urlsplit(url).path, parse(page)), {}
     for family in text_string_to_metric_families(page):
         for sample in family.samples:
             if sample.name == f"{REFUSED_METRIC}_total" and sample.labels.get("endpoint") == endpoint:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -166,7 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plots and result.levels:
         written += write_plots(result, args.out, stem)
     console.print("wrote " + ", ".join(str(p) for p in written))
-    return 0 if result.levels else 1
+    if not any(level.result.ok for level in result.levels):
+        errors: Counter[str] = Counter()
+        for level in result.levels:
+            errors.update(level.result.errors)
+        said = ", ".join(f"{status} × {count}" for status, count in errors.most_common()) or "nothing answered"
+        console.print(f"[red]loadtest:[/red] no request succeeded: {said}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

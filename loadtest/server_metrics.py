@@ -60,15 +60,20 @@ def metrics_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
 
 
-def endpoint_label(path: str) -> str:
-    """The model route a URL path feeds: '/classify_batch' → 'classify', '/embed' → 'embed'."""
-    last = path.rstrip("/").rsplit("/", 1)[-1]
-    return last.split("_", 1)[0]
+def endpoint_label(path: str, exported: Snapshot) -> str:
+    """The `endpoint` label of the model route a URL path feeds: '/classify_batch' → 'classify',
+    '/embed' → 'embed', '/models/digits/classify' → 'digits', unless the server exports nothing of
+    that name: a default endpoint's model, whose own path shares the default's route."""
+    parts = path.strip("/").split("/")
+    operation = parts[-1].split("_", 1)[0]
+    if len(parts) == 3 and parts[0] == "models" and any(("endpoint", parts[1]) in labels for _, labels in exported):
+        return parts[1]
+    return operation
 
 
 def breakdown(before: Snapshot, after: Snapshot, *, path: str) -> Breakdown | None:
     """None when the server exports none of these series (not an optiserve / BentoML server)."""
-    endpoint = endpoint_label(path)
+    endpoint = endpoint_label(path, after)
 
     def delta(metric: str, suffix: str, match: dict[str, str]) -> float:
         total = 0.0

@@ -67,6 +67,14 @@ class SweepSettings:
             raise ValueError("need 1 ≤ stable_windows ≤ max_windows")
         if self.window_s <= 0 or self.warmup_s < 0 or self.max_duration_s <= 0:
             raise ValueError("window and duration must be positive, warm-up not negative")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"the request timeout must be positive, got {self.request_timeout_s:g} s")
+        if self.tolerance < 0 or not 0 <= self.max_error_rate <= 1:
+            raise ValueError("the tolerance must not be negative, the error rate a fraction in [0, 1]")
+        if self.target_qps is not None and self.target_qps <= 0:
+            raise ValueError(f"the target QPS must be positive, got {self.target_qps:g}")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"headroom is a fraction in [0, 1), got {self.headroom:g}")
 
     @property
     def scrape_url(self) -> str | None:
@@ -192,7 +200,7 @@ def conclude(result: SweepResult) -> SweepResult:
         for lv in result.levels
     ]
     result.knee = find_knee(points, slo_ms=settings.slo_ms, max_error_rate=settings.max_error_rate)
-    if result.knee is not None and settings.target_qps:
+    if result.knee is not None and settings.target_qps is not None:
         knee_server = next(level.server for level in result.levels if level.level == result.knee.level)
         result.capacity_plan = capacity_plan(
             target_qps=settings.target_qps,

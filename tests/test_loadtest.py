@@ -22,9 +22,10 @@ import uvloop
 from tiny_http import directives
 
 from bench.processes import free_port
+from loadtest.__main__ import main as loadtest_main
 from loadtest.capacity import Point, capacity_plan, find_knee
 from loadtest.client import Pool, fetch, request_bytes
-from loadtest.generator import closed_loop, open_loop, post_requests, send
+from loadtest.generator import CONNECT_RETRY_S, closed_loop, open_loop, post_requests, send
 from loadtest.inputs import image_payloads, sample_photo_files, text_payloads
 from loadtest.server_metrics import INFERENCE, QUEUE, RESIDENT, ROWS, breakdown, endpoint_label, parse
 from loadtest.stats import Outcome, Recorder, is_stable, percentile, summarize
@@ -124,7 +125,22 @@ def test_breakdown_is_the_mean_between_two_scrapes() -> None:
     memory = f"# TYPE {RESIDENT} gauge\n{RESIDENT} {700 * 2**20}\n"
     assert breakdown(before, parse(page((1.5, 20), (2.4, 9), (22, 9)) + memory), path="/classify").workers_mib == 700
     assert breakdown({}, {}, path="/classify") is None
-    assert endpoint_label("/embed") == "embed" and endpoint_label("/v1/classify_batch/") == "classify"
+    assert endpoint_label("/embed", before) == "embed" and endpoint_label("/v1/classify_batch/", before) == "classify"
+
+
+def test_a_models_own_path_is_read_from_its_own_series_or_its_default_routes() -> None:
+    """/models/<name>/… feeds the route <name> when the model has one of its own; a default
+    endpoint's model shares that endpoint's route (and series) at its own path."""
+    page = "".join(
+        f"# TYPE {INFERENCE} histogram\n"
+        f'{INFERENCE}_sum{{endpoint="{endpoint}",model="{endpoint}:1"}} {total}\n'
+        f'{INFERENCE}_count{{endpoint="{endpoint}",model="{endpoint}:1"}} {count}\n'
+        for endpoint, total, count in (("classify", 5.0, 100), ("digits", 0.1, 100))
+    )
+    exported = parse(page)
+    assert endpoint_label("/models/digits/classify", exported) == "digits"
+    assert endpoint_label("/models/image-classifier/classify_batch", exported) == "classify"
+    assert breakdown({}, exported, path="/models/digits/classify").inference_ms == pytest.approx(1.0)
 
 
 def test_sweep_counts_statuses_and_latencies_on_kept_alive_connections(tiny_server) -> None:
@@ -324,6 +340,40 @@ def test_failures_are_counted_by_name() -> None:
     uvloop.run(send(Pool(url, timeout=5), post_requests(url, [directives()])[0], recorder, time.perf_counter()))
     (outcome,) = recorder.outcomes
     assert outcome.status == "ConnectionRefusedError" and not outcome.ok
+
+
+def test_a_closed_loop_client_waits_after_a_failed_connection() -> None:
+    """Against a server that is down, a client backs off instead of spinning on refused connects."""
+    url = f"http://127.0.0.1:{free_port()}/nothing-listens"
+
+    async def half_a_second() -> Recorder:
+        pool, recorder, stop = Pool(url, timeout=5), Recorder(), asyncio.Event()
+        load = asyncio.create_task(
+            closed_loop(pool, post_requests(url, [directives()]), concurrency=2, stop=stop, recorder=recorder)
+        )
+        await asyncio.sleep(0.5)
+        stop.set()
+        await load
+        return recorder
+
+    statuses = [o.status for o in uvloop.run(half_a_second()).outcomes]
+    assert set(statuses) == {"ConnectionRefusedError"} and 2 <= len(statuses) <= 2 * (0.5 / CONNECT_RETRY_S + 1)
+
+
+def test_the_cli_fails_when_no_request_succeeded_and_checks_its_plan_before_any_load(tmp_path: Path, capsys) -> None:
+    url = f"http://127.0.0.1:{free_port()}/embed"
+    quick = ["--concurrency", "1", "--warmup", "0", "--window", "0.5", "--stable-windows", "1", "--max-windows", "1"]
+    assert loadtest_main([url, *quick, "--no-plots", "--out", str(tmp_path)]) == 1
+    assert "no request succeeded: ConnectionRefusedError × " in capsys.readouterr().err
+    for wrong, said in (
+        (["--headroom", "1"], "headroom is a fraction in [0, 1), got 1"),
+        (["--target-qps", "0"], "the target QPS must be positive, got 0"),
+        (["--timeout", "-1"], "the request timeout must be positive, got -1 s"),
+    ):
+        started = time.perf_counter()
+        assert loadtest_main([url, *quick, *wrong, "--out", str(tmp_path / "never")]) == 2
+        assert said in capsys.readouterr().err and time.perf_counter() - started < 1
+    assert not (tmp_path / "never").exists()
 
 
 def open_loop_run(
