@@ -28,10 +28,11 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Message, Receive
 
 from serving.cache import ResponseCache, cache_key
 from serving.classify import ImageClassifier, ImageUpload
-from serving.door import DEADLINE_HEADER, EarlyRetries, Guard, parse_deadline_ms
+from serving.door import DEADLINE_HEADER, EarlyRetries, Guard, closing, parse_deadline_ms
 from serving.embed import TextEmbedder, encode_base64_f16
 from serving.errors import (
     BodyTimeout,
@@ -80,7 +81,8 @@ class Front(Protocol):
     early_retries: EarlyRetries | None  # shared with serving/door.py
 
 
-MAX_IMAGE_BODY_BYTES = 64 * DEFAULT_MAX_BYTES
+# A form's parts besides its files (boundaries, part headers, top_k): room enough, and no more.
+FORM_OVERHEAD_BYTES = 64 * 1024
 MAX_EMBED_BODY_BYTES = 4 * 1024 * 1024
 MAX_BULK_BODY_BYTES = 64 * 1024 * 1024
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
@@ -167,12 +169,17 @@ async def respond(
     endpoint: Callable[[Routed, Request], Awaitable[Answer]], front: Front, route: str, request: Request
 ) -> Response:
     """`outcome` as its response: the answer's JSON with the model's tag in a header, or the
-    error's body and status; the same whichever way the request came (serving/direct.py)."""
+    error's body and status; the same whichever way the request came (serving/direct.py). An error
+    may come before the body was read (a header at fault, a declared length over the limit): it
+    closes the connection where the door's refusals do, or a client that awaits `100-continue`
+    would send its next request on a connection still waiting for this body."""
     result = await outcome(endpoint, front, route, request)
     if isinstance(result, CachedAnswer):
         return result.response()
     if isinstance(result, ErrorAnswer):
-        return JSONResponse(result.body, status_code=result.status, headers=result.headers)
+        return JSONResponse(
+            result.body, status_code=result.status, headers={**result.headers, **closing(request.scope)}
+        )
     return Response(answer_body(result), media_type="application/json", headers={MODEL_TAG_HEADER: result.model})
 
 
@@ -281,12 +288,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_form(request: Request, *, max_files: int, hint: str = "") -> FormData:
-    """The form, parsed by Starlette, whose malformed-body errors get our statuses."""
+async def read_form(request: Request, limit: int, *, max_files: int, hint: str = "") -> FormData:
+    """The form, parsed by Starlette, whose malformed-body errors get our statuses; refused as soon
+    as its body passes `limit` bytes, declared or chunked (Starlette reads a form whole, files to disk)."""
+    check_declared_length(request, limit)
     try:
         with timed("read"):
             async with arriving_in_time():
-                return await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
+                limited = Request(request.scope, at_most(request.receive, limit))
+                return await limited.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
     except (HTTPException, MultiPartException) as exc:
         message = exc.detail if isinstance(exc, HTTPException) else exc.message
         if message.startswith("Too many files"):
@@ -296,15 +306,32 @@ async def read_form(request: Request, *, max_files: int, hint: str = "") -> Form
         raise InvalidInput(f"malformed form body: {message}") from None
 
 
+def at_most(receive: Receive, limit: int) -> Receive:
+    """`receive`, raising `InputTooLarge` once the body it has given passes `limit` bytes."""
+    size = 0
+
+    async def counted() -> Message:
+        nonlocal size
+        message = await receive()
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise InputTooLarge(f"request body exceeds the limit of {limit} bytes")
+        return message
+
+    return counted
+
+
 async def read_uploads(
     request: Request, field: str, *, max_files: int, hint: str = ""
 ) -> tuple[list[ImageUpload], dict[str, str]]:
     """Image files from a multipart form (field `field`) or a raw image body, plus plain form fields.
-    A form is parsed no further than `max_files` files; `hint` ends the error when it has more."""
-    check_declared_length(request, MAX_IMAGE_BODY_BYTES)
+    A form is parsed no further than `max_files` files; `hint` ends the error when it has more.
+    A body may be as large as the images it may carry, each up to `DEFAULT_MAX_BYTES`: a raw body
+    is one image."""
     media = media_type(request)
     if media in FORM_TYPES:  # a form with no file in it is url-encoded (BentoML's client sends a URL so)
-        form = await read_form(request, max_files=max_files, hint=hint)
+        limit = max_files * DEFAULT_MAX_BYTES + FORM_OVERHEAD_BYTES
+        form = await read_form(request, limit, max_files=max_files, hint=hint)
         uploads = []
         for index, value in enumerate(form.getlist(field)):
             name = f"{field}[{index}]"
@@ -316,7 +343,7 @@ async def read_uploads(
         fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
         return uploads, fields
     if media.startswith("image/") or media == "application/octet-stream":
-        return [ImageUpload(await read_body(request, MAX_IMAGE_BODY_BYTES), media, "body")], {}
+        return [ImageUpload(await read_body(request, DEFAULT_MAX_BYTES), media, "body")], {}
     raise UnsupportedMediaType(
         f"content type {media or 'missing'!r}: send multipart/form-data with a {field!r} file, "
         "or a raw image body (image/jpeg, image/png, image/webp, image/bmp)"

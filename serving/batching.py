@@ -118,6 +118,13 @@ class Admission:
     admitted: float = 0.0  # monotonic seconds
     submitted: bool = False
     low: bool = False  # low priority: its own lane, reserving nothing in the normal one
+    # The server's own deadline leaves out the time the request's body takes to arrive: how much
+    # of it had arrived when it was admitted (None: the client's deadline, which counts it all).
+    body_seconds: float | None = None
+
+    def body_seconds_since(self) -> float:
+        """The time the body took to arrive since the admission, where the server's deadline leaves it out."""
+        return 0.0 if self.body_seconds is None else _body_seconds() - self.body_seconds
 
 
 # The place serving/door.py reserved for the request in this context, and in which batcher.
@@ -305,7 +312,12 @@ class Batcher(Generic[Rows]):
             self._queue.reserved_rows += reserved_rows
             self._queue.reserved_cost += reserved_cost
         admission = Admission(
-            deadline=deadline, reserved_rows=reserved_rows, reserved_cost=reserved_cost, admitted=now, low=low
+            deadline=deadline,
+            reserved_rows=reserved_rows,
+            reserved_cost=reserved_cost,
+            admitted=now,
+            low=low,
+            body_seconds=None if self._clients_deadline(timeout_ms) else _body_seconds(),
         )
         try:
             yield admission
@@ -360,7 +372,7 @@ class Batcher(Generic[Rows]):
             message = f"the {self._metrics.endpoint} queue holds {waiting} rows, its limit is {limit}"
             return QueueFull(message, retry_after_s=self._drain_seconds(now)), now
         budget_ms = self._budget_ms(timeout_ms)
-        budget_left = budget_ms / 1000 - _spent_seconds()
+        budget_left = budget_ms / 1000 - self._spent_seconds(timeout_ms)
         # Reserved work reaches the queue about when this request does, queued work meanwhile drains.
         # The preparation time counts while others are being prepared: it was measured on admitted
         # requests, so with none in preparation it is a figure from a past crowd, which would
@@ -398,7 +410,7 @@ class Batcher(Generic[Rows]):
             message = f"low priority: {waiting} rows of normal requests wait for the {self._metrics.endpoint} model"
             return Shed(message, retry_after_s=max(1.0, self._drain_seconds(now))), now
         budget_ms = self._budget_ms(timeout_ms)
-        budget_left = budget_ms / 1000 - _spent_seconds()
+        budget_left = budget_ms / 1000 - self._spent_seconds(timeout_ms)
         low_batch = self._speed.small_batch_cost() or own_cost
         low_work = self._speed.engine_seconds(queue.low_cost + own_cost, low_batch)
         work = self._queued_seconds(now) + low_work + self._returning()
@@ -427,6 +439,23 @@ class Batcher(Generic[Rows]):
     def _budget_ms(self, timeout_ms: float | None) -> float:
         """The server's deadline, shortened by the client's."""
         return min(self.limits.max_latency_ms, timeout_ms or math.inf)
+
+    def _clients_deadline(self, timeout_ms: float | None) -> bool:
+        """Whether the client's deadline is the one that binds, rather than the server's."""
+        return timeout_ms is not None and timeout_ms < self.limits.max_latency_ms
+
+    def _spent_seconds(self, timeout_ms: float | None) -> float:
+        """How long the request has used of its deadline: since its arrival (serving/tracing.py's
+        first middleware), not its admission, which under load comes after the event loop has read
+        its headers and body; less, for the server's own deadline, the time its body took to
+        arrive: a phone's slow upload is not the server's time, and counted it would refuse every
+        photo that takes longer to send than the deadline, on an idle server too. The client's
+        deadline, on the client's clock, counts it all."""
+        trace = current_trace()
+        if trace is None:
+            return 0.0
+        spent = time.perf_counter() - trace.started
+        return spent if self._clients_deadline(timeout_ms) else spent - _body_seconds()
 
     def _unmet(self, budget_ms: float, late: float, what: str = "") -> DeadlineUnmet:
         message = (
@@ -483,7 +512,9 @@ class Batcher(Generic[Rows]):
         loop = self._start()
         now = time.monotonic()
         parts = self._split(rows, cost_cap=self._small_batch_cost() if admission.low else None)
-        pieces = [self._pending(part, admission.deadline, now, loop, admission.admitted) for part in parts]
+        # A slow upload is the client's time, not the server's (`_spent_seconds`).
+        uploading = admission.body_seconds_since()
+        pieces = [self._pending(part, admission.deadline + uploading, now, loop, admission.admitted) for part in parts]
         with self._queue.lock:
             self._unreserve(admission)
             admission.submitted = True
@@ -498,7 +529,7 @@ class Batcher(Generic[Rows]):
                     self._queue.queued_cost += piece.cost
                 self._speed.observe_request(piece.count, piece.cost)
             if not admission.low:
-                self._speed.observe_preparation(now - admission.admitted)
+                self._speed.observe_preparation(now - admission.admitted - uploading)
             self._work.notify()
         outputs = await _gathered(pieces)
         with self._queue.lock:
@@ -738,12 +769,10 @@ class Batcher(Generic[Rows]):
         return outputs, error
 
 
-def _spent_seconds() -> float:
-    """How long the current request has been in the server: its deadline counts from its arrival
-    (serving/tracing.py's first middleware), not from its admission, which under load comes after
-    the event loop has read its headers and body."""
+def _body_seconds() -> float:
+    """How long the current request's body has taken to arrive so far (its `read` step)."""
     trace = current_trace()
-    return 0.0 if trace is None else time.perf_counter() - trace.started
+    return 0.0 if trace is None else trace.seconds.get("read", 0.0)
 
 
 async def _gathered(pieces: list[_Pending]) -> np.ndarray:

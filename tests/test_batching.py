@@ -15,6 +15,7 @@ from serving.errors import DeadlineExpired, DeadlineUnmet, InferenceFailed, Queu
 from serving.metrics import ModelMetrics
 from serving.text import padded_tokens
 from serving.tracing import CURRENT_TRACE, RequestTrace
+from serving.tracing import timed as traced
 
 
 class RecordingModel:
@@ -462,6 +463,35 @@ def test_the_time_a_request_spent_before_admission_counts_against_its_deadline()
 
     assert isinstance(fresh, np.ndarray)
     assert isinstance(delayed, DeadlineUnmet) and "from its arrival" in str(delayed)
+
+
+def test_the_time_a_body_takes_to_arrive_is_the_clients_not_the_servers_deadline() -> None:
+    """A photo admitted before its upload, which then takes longer than the server's deadline to
+    arrive, is still answered on an idle engine: its deadline runs on the server's time. A client's
+    own deadline, on the client's clock, counts the upload too."""
+    batcher = make_batcher(RecordingModel(0.001), endpoint="uploads", max_latency_ms=100)
+
+    async def uploaded_in(seconds: float, timeout_ms: float | None) -> object:
+        token = CURRENT_TRACE.set(RequestTrace("r"))
+        try:
+            with batcher.admit(1, timeout_ms=timeout_ms) as admission:
+                with traced("read"):
+                    await asyncio.sleep(seconds)  # the body arriving
+                await asyncio.sleep(0.01)  # decoding
+                return await batcher.run(np.ones((1, 1)), admission)
+        except DeadlineExpired as exc:
+            return exc
+        finally:
+            CURRENT_TRACE.reset(token)
+
+    async def scenario() -> tuple[object, object]:
+        await submit(batcher, np.ones((1, 1)))
+        return await uploaded_in(0.15, None), await uploaded_in(0.15, 90)
+
+    servers, clients = asyncio.run(scenario())
+
+    assert isinstance(servers, np.ndarray)
+    assert isinstance(clients, DeadlineExpired)
 
 
 def test_the_time_answers_take_back_through_a_busy_event_loop_counts_in_what_is_admitted() -> None:

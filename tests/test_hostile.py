@@ -87,6 +87,9 @@ def sixteen_bit_png() -> bytes:
     return image_bytes(Image.fromarray((np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)), "PNG")
 
 
+FORM_HEAD = b'--b\r\nContent-Disposition: form-data; name="image"; filename="x.jpg"\r\nContent-Type: image/jpeg\r\n\r\n'
+
+
 def raw(data: bytes, content_type: str = "image/jpeg") -> dict:
     return {"content": data, "headers": {"content-type": content_type}}
 
@@ -140,6 +143,11 @@ HOSTILE: dict[str, tuple[str, Callable[[], dict], int]] = {
             "content": chelsea(),
             "headers": {"content-type": "image/jpeg", "X-Deadline-Ms": "²³".encode("latin-1")},
         },
+        422,
+    ),
+    "texts of nothing but a zero-width space, a soft hyphen": (
+        "/embed",
+        lambda: {"json": {"texts": ["a cat", "\u200b\u00ad"]}},
         422,
     ),
     "NUL bytes inside a text": ("/embed", lambda: {"json": {"texts": ["a\x00b", "\x00 cat"]}}, 200),
@@ -210,6 +218,50 @@ def test_a_body_that_trickles_in_is_timed_out_with_a_408(server, path: str) -> N
     assert timeouts_counted(server, path) == timeouts_before + 1  # optiserve_errors_total's class
     with server.client() as client:
         assert client.post("/classify", content=chelsea(), headers=JPEG).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "request_args",
+    [
+        lambda: raw(b"\xff\xd8" + b"\0" * 21 * 2**20),  # declared
+        lambda: {  # chunked
+            "content": iter([FORM_HEAD, *[b"\0" * 2**20] * 21, b"\r\n--b--\r\n"]),
+            "headers": {"content-type": "multipart/form-data; boundary=b"},
+        },
+    ],
+    ids=["raw", "form"],
+)
+def test_a_body_over_what_its_one_image_may_weigh_is_refused_as_it_comes(server, request_args) -> None:
+    """/classify takes one image of up to 20 MB: a larger body is refused before it is all read
+    (it was read whole up to 1.28 GB, and the worker held twice that)."""
+    with server.client() as client:
+        response = client.post("/classify", **request_args())
+    assert response.status_code == 413 and response.json()["error"].startswith("request body"), response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "status"),
+    [
+        ("/embed", "Content-Type: application/json\r\nContent-Length: 5000000\r\n", "413"),
+        ("/classify", "Content-Type: image/jpeg\r\nContent-Length: 30000000\r\n", "413"),
+        ("/classify", "Content-Type: text/plain\r\nContent-Length: 40000\r\n", "415"),
+        ("/embed", "Content-Type: application/json\r\nX-Deadline-Ms: soon\r\nContent-Length: 40000\r\n", "422"),
+    ],
+)
+def test_an_error_before_a_body_awaiting_100_continue_closes_its_connection(
+    server, path: str, headers: str, status: str
+) -> None:
+    """The client sends its body only when asked; refused first, it never does, so the connection
+    cannot carry its next request (which would be read as this one's body)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Expect: 100-continue\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(head.encode())
+        answer = b""
+        while chunk := connection.recv(65536):  # the server closes the connection after its answer
+            answer += chunk
+    head_lines = answer.decode("latin-1").split("\r\n\r\n")[0].lower().splitlines()
+    assert head_lines[0].startswith(f"http/1.1 {status}") and "connection: close" in head_lines, head_lines
 
 
 def timeouts_counted(server, path: str) -> float:
