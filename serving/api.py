@@ -258,6 +258,13 @@ def media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
+def check_not_encoded(request: Request) -> None:
+    """A compressed body (`Content-Encoding: gzip`) is not read as JSON or an image (RFC 9110 §15.5.16)."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedMediaType(f"content encoding {encoding!r} is not accepted: send the body uncompressed")
+
+
 def check_declared_length(request: Request, limit: int) -> None:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
@@ -276,6 +283,7 @@ async def arriving_in_time() -> AsyncIterator[None]:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, refused as soon as it passes `limit` bytes, declared or chunked."""
+    check_not_encoded(request)
     check_declared_length(request, limit)
     chunks, size = [], 0
     with timed("read"):
@@ -291,6 +299,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def read_form(request: Request, limit: int, *, max_files: int, hint: str = "") -> FormData:
     """The form, parsed by Starlette, whose malformed-body errors get our statuses; refused as soon
     as its body passes `limit` bytes, declared or chunked (Starlette reads a form whole, files to disk)."""
+    check_not_encoded(request)
     check_declared_length(request, limit)
     try:
         with timed("read"):

@@ -68,8 +68,10 @@ def decode_sized(
         raise InputTooLarge(f"{name}: {len(data)} bytes exceeds the limit of {max_bytes} bytes")
     try:
         with warnings.catch_warnings():
-            # Our own pixel limit below decides; PIL's warning would only add log noise.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            # PIL's warnings are about the input: a decompression bomb, which our own pixel limit
+            # below decides, corrupt EXIF data, ignored as a bad orientation is. In the log they
+            # would only let any client fill it.
+            warnings.simplefilter("ignore")
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
             width, height = image.size
             if width * height > max_pixels:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import bentoml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.requests import Request
 
 # The request whose body the endpoint reads: the one BentoML hands the input spec. (A task runs
@@ -47,7 +47,7 @@ class ClassifyBatchRequest(RequestBody):
 class EmbedRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
     texts: list[str] = Field(description="Texts to embed, in order", json_schema_extra={"minItems": 1})
-    truncate: bool = Field(
+    truncate: StrictBool = Field(
         default=False, description="Cut texts longer than the model's limit instead of rejecting them"
     )
     encoding_format: Literal["float", "base64"] = Field(

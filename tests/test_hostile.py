@@ -4,6 +4,7 @@ is served."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import re
 import socket
@@ -149,6 +150,17 @@ HOSTILE: dict[str, tuple[str, Callable[[], dict], int]] = {
         "/embed",
         lambda: {"json": {"texts": ["a cat", "\u200b\u00ad"]}},
         422,
+    ),
+    "truncate as the string yes": ("/embed", lambda: {"json": {"texts": ["a cat"], "truncate": "yes"}}, 422),
+    "a gzip-encoded JSON body": (
+        "/embed",
+        lambda: {"content": gzip.compress(b'{"texts": ["a cat"]}'), "headers": {**JSON, "content-encoding": "gzip"}},
+        415,
+    ),
+    "a gzip-encoded image": (
+        "/classify",
+        lambda: {"content": gzip.compress(chelsea()), "headers": {**JPEG, "content-encoding": "gzip"}},
+        415,
     ),
     "NUL bytes inside a text": ("/embed", lambda: {"json": {"texts": ["a\x00b", "\x00 cat"]}}, 200),
     "invalid UTF-8 in JSON": ("/embed", lambda: raw(b'{"texts": ["\xc3\x28"]}', "application/json"), 422),

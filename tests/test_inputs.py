@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 from http import HTTPStatus
 
 import numpy as np
@@ -112,6 +113,22 @@ def test_a_16_bit_grayscale_png_is_seen_as_its_8_bit_twin() -> None:
     eight, sixteen = (np.asarray(decode_image(data)) for data in (as_png["8"], as_png["16"]))
     np.testing.assert_array_equal(sixteen, eight)
     assert 50 < sixteen.mean() < 200
+
+
+def test_corrupt_exif_data_is_ignored_without_a_warning_for_the_log() -> None:
+    """An EXIF block whose directory points past its end: PIL warns on reading it; any client
+    could fill the server's log so."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buffer, "JPEG")
+    directory = b"\x00\x02" + b"\x01\x12\x00\x03\x00\x00\x00\x01\x00\x06\x00\x00"
+    directory += b"\x87\x69\x00\x04\x00\x00\x00\x01\x00\x00\xff\xf0"  # an EXIF block beyond the end
+    exif = b"Exif\x00\x00MM\x00\x2a\x00\x00\x00\x08" + directory
+    data = buffer.getvalue()[:2] + b"\xff\xe1" + (len(exif) + 2).to_bytes(2, "big") + exif + buffer.getvalue()[2:]
+    with pytest.warns(UserWarning, match="Corrupt EXIF data"):
+        Image.open(io.BytesIO(data)).getexif().get_ifd(0x8769)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert decode_image(data).size == (16, 16)
 
 
 def test_decompression_bomb_is_refused_before_decoding() -> None:
