@@ -4,7 +4,8 @@ BentoML generates the document from the input and output specs, with one error l
 API (its own 400, 404 and 500 bodies). Our endpoints answer other statuses, in our own error
 schema; /classify also takes a raw image body; and BentoML's task routes answer task states
 (`completed`, `failed`) its own schema does not list; BentoML keeps only the first member
-of a union; and every answer names its model in a header. A client generator or a fuzzer that
+of a union; every answer names its model in a header; refusals say when to retry; and the
+endpoints read headers and query parameters besides their body. A client generator or a fuzzer that
 trusts the document should find it right, so the service serves it amended (`amend`).
 """
 
@@ -15,8 +16,10 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.api import MODEL_TAG_HEADER
+from serving.api import DEFAULT_TOP_K, MAX_TOP_K, MODEL_TAG_HEADER, PRIORITIES, PRIORITY_HEADER
+from serving.door import DEADLINE_HEADER, MAX_DEADLINE_MS
 from serving.schemas import EmbedResponse, ErrorBody
+from serving.tracing import REQUEST_ID_HEADER
 
 DOCUMENT_PATH = "/docs.json"
 ERROR_REF = {"$ref": "#/components/schemas/ErrorBody"}
@@ -40,11 +43,47 @@ MODEL_TAG = {
 }
 
 
+RETRY_AFTER = {
+    "description": "seconds to wait before sending the request again",
+    "schema": {"type": "string", "pattern": "^[0-9]+$"},
+}
+
+
 def error_responses() -> dict[str, Any]:
-    return {
+    responses = {
         str(status): {"description": text, "content": {"application/json": {"schema": ERROR_REF}}}
         for status, text in ERROR_STATUSES.items()
     }
+    for status in ("429", "503"):
+        responses[status]["headers"] = {"Retry-After": RETRY_AFTER}
+    return responses
+
+
+def parameters(operation: str) -> list[dict[str, Any]]:
+    """What a model endpoint reads besides its body (README, "The HTTP API")."""
+    priority = {"type": "string", "enum": list(PRIORITIES), "default": "normal"}
+    found = [
+        {
+            "name": REQUEST_ID_HEADER,
+            "in": "header",
+            "description": "the request's id, echoed: one of 1-128 letters, digits and ._:- is kept, "
+            "another replaced; it picks the request's side of a canary split",
+            "schema": {"type": "string"},
+        },
+        {
+            "name": DEADLINE_HEADER,
+            "in": "header",
+            "description": "the client's deadline, milliseconds from the request's arrival: it only shortens the "
+            "server's",
+            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS},
+        },
+        {"name": PRIORITY_HEADER, "in": "header", "description": "low: shed first, batched apart", "schema": priority},
+        {"name": "priority", "in": "query", "description": f"as the {PRIORITY_HEADER} header", "schema": priority},
+    ]
+    if operation.startswith("classify"):
+        top_k = {"type": "integer", "minimum": 1, "maximum": MAX_TOP_K, "default": DEFAULT_TOP_K}
+        found.append({"name": "top_k", "in": "query", "description": "predictions per image", "schema": top_k})
+    return found
 
 
 def bentoml_error(description: str) -> dict[str, Any]:
@@ -57,10 +96,11 @@ def amend(document: dict[str, Any]) -> dict[str, Any]:
     paths, schemas = document["paths"], document["components"]["schemas"]
     schemas["ErrorBody"] = ErrorBody.model_json_schema()
     endpoints = {path: path.rsplit("/", 1)[1] for path in paths if path.rsplit("/", 1)[1] in OPERATIONS}
-    for path in endpoints:
+    for path, name in endpoints.items():
         operation = paths[path]["post"]
         operation["responses"] = {"200": operation["responses"]["200"], **error_responses()}
         operation["responses"]["200"]["headers"] = {MODEL_TAG_HEADER: MODEL_TAG}
+        operation["parameters"] = [*operation.get("parameters", []), *parameters(name)]
     # BentoML keeps only the first member of a union: embeddings are float lists or base64 strings.
     embeddings = EmbedResponse.model_json_schema()["properties"]["embeddings"]
     embedding = [(path, "post") for path, operation in endpoints.items() if operation.startswith("embed")]
@@ -68,7 +108,7 @@ def amend(document: dict[str, Any]) -> dict[str, Any]:
         schema = paths[path][method]["responses"]["200"]["content"]["application/json"]["schema"]
         schema["properties"]["embeddings"] = embeddings
     raw = {"schema": {"type": "string", "format": "binary"}}
-    for path in (path for path, operation in endpoints.items() if operation == "classify"):
+    for path in (path for path, operation in endpoints.items() if operation.startswith("classify")):
         paths[path]["post"]["requestBody"]["content"].update(dict.fromkeys(RAW_IMAGE_TYPES, raw))
     status = schemas["TaskStatusResponse"]
     status["properties"]["status"]["enum"] = TASK_STATES

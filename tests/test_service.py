@@ -134,6 +134,16 @@ def test_openapi_documents_the_endpoints_their_bodies_and_our_errors(server) -> 
     }
     embed_body = spec["paths"]["/embed"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "texts" in embed_body["properties"]
+    assert {"image/jpeg", "image/png"} <= set(spec["paths"]["/classify_batch"]["post"]["requestBody"]["content"])
+    assert classify["responses"]["503"]["headers"]["Retry-After"]["schema"]["type"] == "string"
+    read = {(p["in"], p["name"]): p["schema"] for p in classify["parameters"]}
+    assert read[("query", "top_k")] == {"type": "integer", "minimum": 1, "maximum": 1000, "default": 5}
+    assert read[("header", "X-Deadline-Ms")]["minimum"] == 1 and read[("header", "X-Priority")]["enum"] == [
+        "normal",
+        "low",
+    ]
+    embed_reads = {(p["in"], p["name"]) for p in spec["paths"]["/embed"]["post"]["parameters"]}
+    assert ("header", "X-Request-ID") in embed_reads and ("query", "top_k") not in embed_reads
 
 
 def batch_rows(metrics: str, endpoint: str) -> tuple[float, float, float]:
