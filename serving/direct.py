@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 ORIGIN_KEY = b"origin"
@@ -38,9 +38,18 @@ class DirectEndpoints:
         self.handlers = handlers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in self.handlers and scope["method"] not in ("POST", "OPTIONS"):
+            await method_not_allowed(scope)(scope, receive, send)  # OPTIONS: a browser's preflight, BentoML's CORS
+            return
         handler = self.handlers.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if handler is None or any(key == ORIGIN_KEY for key, _ in scope["headers"]):
             await self.app(scope, receive, send)
             return
         response = await handler(Request(scope, receive))
         await response(scope, receive, send)
+
+
+def method_not_allowed(scope: Scope) -> Response:
+    """Our JSON error, where Starlette's router would answer a plain-text 405."""
+    body = {"error": f"{scope['method']} {scope['path']}: the endpoint takes POST", "type": "method_not_allowed"}
+    return JSONResponse(body, status_code=405, headers={"Allow": "POST"})

@@ -199,6 +199,17 @@ def test_hostile_input_gets_a_clear_answer_and_the_service_keeps_serving(server,
     assert normal.status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("method", "path"), [("GET", "/classify"), ("HEAD", "/embed"), ("PUT", "/models/digits-classifier/classify")]
+)
+def test_a_model_endpoint_called_with_another_method_says_so_in_json(server, method: str, path: str) -> None:
+    with server.client() as client:
+        response = client.request(method, path)
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    if method != "HEAD":
+        assert response.json() == {"error": f"{method} {path}: the endpoint takes POST", "type": "method_not_allowed"}
+
+
 def test_an_exif_rotated_photo_is_classified_as_displayed(server) -> None:
     """The orientation tag is applied: a phone photo stored sideways is seen upright."""
     upright = photo()
