@@ -514,6 +514,15 @@ class Batcher(Generic[Rows]):
         parts = self._split(rows, cost_cap=self._small_batch_cost() if admission.low else None)
         # A slow upload is the client's time, not the server's (`_spent_seconds`).
         uploading = admission.body_seconds_since()
+        if now > admission.deadline + uploading:  # not the queue's doing: say what took the time
+            raise self._refuse(
+                DeadlineExpired(
+                    f"the request's deadline passed before it reached the {self._metrics.endpoint} queue, "
+                    f"{1000 * (now - admission.admitted):.0f} ms after its admission: its body arriving "
+                    "(a client's deadline counts it), its decoding or tokenizing",
+                    retry_after_s=1.0,
+                )
+            )
         pieces = [self._pending(part, admission.deadline + uploading, now, loop, admission.admitted) for part in parts]
         with self._queue.lock:
             self._unreserve(admission)
