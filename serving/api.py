@@ -44,7 +44,7 @@ from serving.errors import (
     RequestError,
     UnsupportedMediaType,
 )
-from serving.images import DEFAULT_MAX_BYTES
+from serving.images import DEFAULT_MAX_BYTES, check_content_type
 from serving.lifecycle import Model, Split
 from serving.manifest import DEFAULT_ENDPOINTS, model_path
 from serving.metrics import count_error
@@ -346,12 +346,14 @@ async def read_uploads(
             name = f"{field}[{index}]"
             if not isinstance(value, UploadFile):
                 raise InvalidInput(f"{name} must be a file upload, not a text field (a URL or path is never fetched)")
+            check_content_type(value.content_type, name=name)  # here, before a cached answer could skip it
             uploads.append(ImageUpload(await value.read(), value.content_type, name))
         if not uploads:
             raise InvalidInput(f"multipart body has no file field named {field!r}")
         fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
         return uploads, fields
     if media.startswith("image/") or media == "application/octet-stream":
+        check_content_type(media, name="body")
         return [ImageUpload(await read_body(request, DEFAULT_MAX_BYTES), media, "body")], {}
     raise UnsupportedMediaType(
         f"content type {media or 'missing'!r}: send multipart/form-data with a {field!r} file, "

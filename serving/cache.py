@@ -10,8 +10,8 @@ The key is a SHA-256 of the model's tag and the request's exact inputs (the text
 inputs can run together. The tag makes a hot swap safe: once the alias names another version,
 requests lease the new model and look up keys that no entry of the old one can match; a canary
 and its primary never share an entry either. The old entries age out as the least recently used.
-The cache holds at most `max_bytes` of answers (an answer larger than that is not kept), per
-front worker.
+The cache holds at most `max_bytes` of memory (its answers and what each entry costs besides; an
+answer larger than that is not kept), per front worker.
 """
 
 from __future__ import annotations
@@ -28,6 +28,17 @@ def cache_key(tag: str, *parts: bytes) -> bytes:
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
     return digest.digest()
+
+
+# What an entry holds beyond its answer's bytes: the key (32 bytes, an object), the answer's object
+# header, the ordered dict's slots, more of them as entries come and go; under tracemalloc a cache
+# of 124-byte answers held 0.87-0.88 × its size with this, 1.6-1.7 × without (answers of 2 kB, 0.99 ×).
+ENTRY_BYTES = 260
+
+
+def weight(answer: bytes) -> int:
+    """The memory an answer holds in the cache."""
+    return len(answer) + ENTRY_BYTES
 
 
 class ResponseCache:
@@ -53,12 +64,12 @@ class ResponseCache:
         return answer
 
     def put(self, key: bytes, answer: bytes) -> None:
-        if len(answer) > self.max_bytes or key in self._answers:
+        if weight(answer) > self.max_bytes or key in self._answers:
             return
-        while self.size + len(answer) > self.max_bytes:
+        while self.size + weight(answer) > self.max_bytes:
             _, evicted = self._answers.popitem(last=False)
-            self.size -= len(evicted)
+            self.size -= weight(evicted)
             self._metrics.evicted()
         self._answers[key] = answer
-        self.size += len(answer)
+        self.size += weight(answer)
         self._metrics.held(self.size)

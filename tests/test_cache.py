@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,22 +17,35 @@ from conftest import REPO, RunningServer, new_version, own_home, serving
 from scrape import samples
 
 from sample_inputs import sample_photos
-from serving.cache import ResponseCache, cache_key
+from serving.cache import ENTRY_BYTES, ResponseCache, cache_key
 from serving.manifest import read_manifest, write_manifest
 
 JPEG = {"Content-Type": "image/jpeg"}
 
 
 def test_the_least_recently_used_answers_go_first_and_the_bytes_stay_bounded() -> None:
-    cache = ResponseCache(10, endpoint="unit-lru")
+    cache = ResponseCache(2 * ENTRY_BYTES + 10, endpoint="unit-lru")
     cache.put(b"a", b"1234")
     cache.put(b"b", b"5678")
     assert cache.get(b"a") == b"1234"  # now the most recently used
-    cache.put(b"c", b"90ab")  # 12 bytes would not fit: b, the least recently used, goes
+    cache.put(b"c", b"90ab")  # a third entry would not fit: b, the least recently used, goes
     assert (cache.get(b"a"), cache.get(b"b"), cache.get(b"c")) == (b"1234", None, b"90ab")
-    assert cache.size == 8 <= cache.max_bytes
-    cache.put(b"huge", b"x" * 11)  # larger than the whole cache: not kept, nothing evicted for it
-    assert cache.get(b"huge") is None and cache.size == 8
+    assert cache.size == 2 * ENTRY_BYTES + 8 <= cache.max_bytes
+    cache.put(b"huge", b"x" * (ENTRY_BYTES + 11))  # larger than the whole cache: not kept, nothing evicted for it
+    assert cache.get(b"huge") is None and cache.size == 2 * ENTRY_BYTES + 8
+
+
+def test_the_cache_holds_no_more_memory_than_its_size_with_small_answers() -> None:
+    """What each entry costs besides its answer counts: 124-byte answers held 1.6 × the size."""
+    cache = ResponseCache(1024 * 1024, endpoint="unit-memory")
+    tracemalloc.start()
+    try:
+        for n in range(20_000):
+            cache.put(cache_key("m:1", n.to_bytes(8, "little")), b'{"predictions":[' + bytes(108))
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert cache.size <= cache.max_bytes and held <= 1.1 * cache.max_bytes
 
 
 def test_keys_tell_models_and_the_boundaries_between_inputs_apart() -> None:
@@ -76,12 +90,15 @@ def test_a_repeated_input_is_answered_from_the_cache_and_a_new_one_by_the_model(
         other = client.post("/embed", json={"texts": ["a cached sentence"], "encoding_format": "base64"})
         photo_first, photo_again = (client.post("/classify", content=photo, headers=JPEG) for _ in range(2))
         fewer = client.post("/classify?top_k=2", content=photo, headers=JPEG)
+        as_gif = client.post("/classify", content=photo, headers={"Content-Type": "image/gif"})
+        as_text = client.post("/classify", files={"image": ("c.jpg", photo, "text/plain")})
         broken = [client.post("/embed", json={"texts": [""]}) for _ in range(2)]
         embed_lookups = lookups(client, "embed")
     assert [r.headers["x-cache"] for r in (first, again, other)] == ["miss", "hit", "miss"]
     assert again.content == first.content and again.headers["x-model-tag"] == first.json()["model"]
     assert [r.headers["x-cache"] for r in (photo_first, photo_again, fewer)] == ["miss", "hit", "miss"]
     assert photo_again.json() == photo_first.json() and len(fewer.json()["predictions"]) == 2
+    assert as_gif.status_code == as_text.status_code == 415, "a refused type is refused, cached bytes or not"
     assert [r.status_code for r in broken] == [422, 422] and all("x-cache" not in r.headers for r in broken)
     assert embed_lookups == {"hit": 1.0, "miss": 4.0}  # the two blank texts were looked up and not kept
 
