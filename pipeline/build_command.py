@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -40,7 +41,11 @@ def load_all(paths: list[Path]) -> list[LoadedRecipe]:
     """Validate every recipe before any slow work, so a typo in the last one fails in a second."""
     loaded = [load_recipe(path) for path in paths]
     seen: dict[str, Path] = {}
+    names: dict[str, Path] = {}
     for item in loaded:
+        if item.name in names:
+            raise RecipeError(f"{item.path}: name: {item.name!r} is also the name in {names[item.name]}")
+        names[item.name] = item.path
         endpoint = item.recipe.serving.endpoint
         if endpoint is not None and endpoint in seen:
             raise RecipeError(f"{item.path}: serving.endpoint: {endpoint!r} is already served by {seen[endpoint]}")
@@ -49,6 +54,12 @@ def load_all(paths: list[Path]) -> list[LoadedRecipe]:
         if endpoint is not None:
             seen[endpoint] = item.path
     return loaded
+
+
+def check_writable(manifest: Path) -> None:
+    """The manifest can be written once the builds are done: found out now, not after them."""
+    if manifest.is_dir() or not manifest.parent.is_dir():
+        raise RecipeError(f"--manifest {manifest}: not a file in an existing folder")
 
 
 def batching_summary(batching: Batching) -> str:
@@ -67,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         recipes = load_all(args.recipes)
+        check_writable(args.manifest)
     except RecipeError as exc:
-        console.print(f"[red]recipe error[/red] {exc}")
+        console.print(f"[red]recipe error[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
     routes, slowest = {}, []
     table = Table("recipe", "served", "built", "variants accepted", "batching", "report", "seconds")
@@ -90,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             except (RecipeError, ExportCheckError) as exc:
                 progress.stop()
-                console.print(f"[red]{loaded.name} failed[/red]\n{exc}")
+                console.print(f"[red]{loaded.name} failed[/red]\n{escape(str(exc))}", soft_wrap=True)
                 return 1
             progress.update(task, description=f"{loaded.name}: done", total=1, completed=1)
             progress.advance(overall)
@@ -113,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest = update_manifest(routes, args.manifest)
     except ManifestError as exc:
-        console.print(f"[red]serving manifest not updated[/red] {exc}")
+        console.print(f"[red]serving manifest not updated[/red] {escape(str(exc))}", soft_wrap=True)
         return 1
     served = ", ".join(f"{name} → {route.tag}" for name, route in manifest.routes().items()) or "no model"
     console.print(f"serving manifest: {args.manifest} ({served})")

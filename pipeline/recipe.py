@@ -147,7 +147,9 @@ VariantName = Literal[
 
 class Budget(Strict):
     max_drop: dict[str, float] = Field(description="metric → largest drop from the FP32 model's own score")
-    p99_slo_ms: float = Field(default=1000, gt=0, description="p99 of one model call at the chosen batch size")
+    p99_slo_ms: float = Field(
+        default=1000, ge=1, allow_inf_nan=False, description="p99 of one model call at the chosen batch size"
+    )
 
     @model_validator(mode="after")
     def _drops_are_fractions(self) -> Budget:
@@ -182,7 +184,12 @@ class RecipeBase(Strict):
     """What every task's recipe says; each task's recipe adds its own inputs and source kinds."""
 
     metrics: ClassVar[tuple[str, ...]]  # what `budget.max_drop` may bound for this task
-    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$", description="model store name")
+    endpoint: ClassVar[str]  # the default endpoint that answers this task's models
+    name: str = Field(
+        pattern=r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$",
+        max_length=63,  # BentoML's longest tag name
+        description="model store name: lowercase letters, digits, '.', '_', '-'",
+    )
     description: str = ""
     export: Export
     variants: list[VariantName] = Field(default_factory=list, description="tried in this order, after FP32")
@@ -199,6 +206,11 @@ class RecipeBase(Strict):
             raise ValueError(f"variants: a cascade answers with a classifier's confidence, not a {self.task} model's")
         if self.serving.variant not in (None, "fp32", *self.variants):
             raise ValueError(f"serving.variant: {self.serving.variant!r} is not among the recipe's variants")
+        if self.serving.endpoint not in (None, self.endpoint):
+            raise ValueError(
+                f"serving.endpoint: {self.serving.endpoint!r} does not answer {self.task} models; "
+                f"{self.endpoint!r} does"
+            )
         for metric in self.budget.max_drop if self.budget else ():
             if metric not in self.metrics:
                 raise ValueError(
@@ -225,6 +237,7 @@ class RecipeBase(Strict):
 
 class ImageClassificationRecipe(RecipeBase):
     metrics = ("top1_agreement", "top5_agreement", "top5_overlap", "kl_divergence", "accuracy")
+    endpoint = "classify"
     task: Literal["image-classification"]
     source: Annotated[EfficientNetLiteSource | TorchvisionSource | TrainDigitsSource, Field(discriminator="kind")]
     labels: str | None = Field(
@@ -236,6 +249,11 @@ class ImageClassificationRecipe(RecipeBase):
     def _images_need(self) -> ImageClassificationRecipe:
         if self.labels is None and self.source.kind != "train-digits":
             raise ValueError(f"task {self.task} needs the field 'labels'")
+        if self.budget and "accuracy" in self.budget.max_drop and self.source.kind != "train-digits":
+            raise ValueError(
+                f"budget.max_drop.accuracy: the evaluation photos of a {self.source.kind} source have no labels "
+                "to count it on (bound top1_agreement instead)"
+            )
         for field, value in (
             (REQUESTS_FIELD, self.profiling.requests),
             ("serving.max_batch_tokens", self.serving.max_batch_tokens),
@@ -251,6 +269,7 @@ class ImageClassificationRecipe(RecipeBase):
 
 class TextEmbeddingRecipe(RecipeBase):
     metrics = ("mean_cosine", "min_cosine", "knn10_agreement")
+    endpoint = "embed"
     task: Literal["text-embedding"]
     source: Annotated[HuggingFaceSource, Field(discriminator="kind")]
     text: TextPreprocess
@@ -261,11 +280,17 @@ Recipe = Annotated[ImageClassificationRecipe | TextEmbeddingRecipe, Field(discri
 RECIPE_ADAPTER: TypeAdapter[Recipe] = TypeAdapter(Recipe)
 
 
+FOLDER_FIELDS = frozenset({"source.path"})  # a Hugging Face model's folder; every other reference is a file
+
+
 def resolve_path(reference: str, recipe_dir: Path) -> Path:
     """A path relative to the recipe, or `package:<module>/<sub/path>` inside an installed package."""
     if reference.startswith(PACKAGE_PREFIX):
         module, _, inner = reference[len(PACKAGE_PREFIX) :].partition("/")
-        spec = importlib.util.find_spec(module)
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):  # a dotted name whose parent package is missing, or malformed
+            spec = None
         if spec is None or spec.origin is None:
             raise FileNotFoundError(f"package {module!r} is not installed (pip install it or `make setup`)")
         return Path(spec.origin).parent / inner
@@ -343,6 +368,9 @@ def load_recipe(path: Path) -> LoadedRecipe:
             raise RecipeError(f"{path}: {field}: {exc}") from None
         if not resolved.exists():
             raise RecipeError(f"{path}: {field}: file not found: {resolved}")
+        if resolved.is_dir() != (field in FOLDER_FIELDS):
+            wanted = "a folder" if field in FOLDER_FIELDS else "a file"
+            raise RecipeError(f"{path}: {field}: {resolved} is not {wanted}")
         files[field] = resolved
     if REQUESTS_FIELD in files:
         _check_requests(path, files[REQUESTS_FIELD])

@@ -109,6 +109,12 @@ def _huggingface(loaded: LoadedRecipe) -> SourceModel:
             raise RecipeError(f"{loaded.path}: source.path: {model_dir} has no {required}")
     # Eager attention exports to plain MatMul/Softmax that ORT's transformer optimizer can fuse.
     module = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager", local_files_only=True)
+    positions = getattr(module.config, "max_position_embeddings", None)
+    if positions is not None and loaded.recipe.text.max_length > positions:
+        raise RecipeError(
+            f"{loaded.path}: text.max_length: {loaded.recipe.text.max_length} tokens, but the model has "
+            f"positions for {positions}: a longer text would fail in the service"
+        )
     return SourceModel(module=module, model_dir=model_dir)
 
 

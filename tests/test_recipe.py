@@ -99,6 +99,42 @@ def test_default_recipes_load_and_resolve_packaged_files(name: str) -> None:
             r"image: resize \(200\) must be at least size \(224\)",
             id="crop larger than resize",
         ),
+        pytest.param(
+            "image-classifier",
+            {"budget__max_drop": {"accuracy": 0.01}},
+            r"budget\.max_drop\.accuracy: the evaluation photos of a efficientnet-lite source have no labels",
+            id="an accuracy budget without labelled data (it judged nothing)",
+        ),
+        pytest.param(
+            "image-classifier",
+            {"serving__endpoint": "embed"},
+            r"serving\.endpoint: 'embed' does not answer image-classification models; 'classify' does",
+            id="an image model on the text endpoint (every request answered 500)",
+        ),
+        pytest.param(
+            "text-embedder",
+            {"budget__p99_slo_ms": 0.5},
+            r"budget\.p99_slo_ms: .*greater than or equal to 1",
+            id="an SLO below a millisecond (it crashed after the build)",
+        ),
+        pytest.param(
+            "image-classifier",
+            {"name": "a" * 64},
+            r"name: String should have at most 63 characters",
+            id="a name longer than BentoML takes (a traceback at the store)",
+        ),
+        pytest.param(
+            "text-embedder",
+            {"source__path": "package:no_such_package_xyz.inner/model"},
+            r"source\.path: package 'no_such_package_xyz\.inner' is not installed",
+            id="a module in a missing package (a traceback)",
+        ),
+        pytest.param(
+            "image-classifier",
+            {"labels": "."},
+            r"labels: .* is not a file",
+            id="a folder for a file (a traceback after the export)",
+        ),
     ],
 )
 def test_a_mistake_is_one_line_naming_the_field(tmp_path: Path, base: str, changes: dict, message: str) -> None:
@@ -176,3 +212,39 @@ def test_token_cap_override_must_be_positive(tmp_path: Path) -> None:
     path = write_recipe(tmp_path, "text-embedder", serving__max_batch_tokens=0)
     with pytest.raises(RecipeError, match=r"serving\.max_batch_tokens: .*greater than or equal to 1"):
         load_recipe(path)
+
+
+def test_two_recipes_of_one_name_are_refused_before_any_build(tmp_path: Path, capsys) -> None:
+    from pipeline.build_command import main
+
+    first = write_recipe(tmp_path, "image-classifier")
+    (tmp_path / "again").mkdir()
+    second = write_recipe(tmp_path / "again", "image-classifier", serving__endpoint=DELETE)
+    assert main([str(first), str(second), "--manifest", str(tmp_path / "m.json")]) == 2
+    said = capsys.readouterr().err
+    assert f"{second}: name: 'image-classifier' is also the name in {first}" in said.replace("\n", "")
+
+
+def test_an_error_is_printed_as_it_is_not_read_as_markup(tmp_path: Path, capsys) -> None:
+    """`[a-z0-9]` in pydantic's pattern message was eaten as a rich style tag."""
+    from pipeline.build_command import main
+
+    assert main([str(write_recipe(tmp_path, "image-classifier", name="My-Model")), "--manifest", "m.json"]) == 2
+    assert "'^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$'" in capsys.readouterr().err
+
+
+def test_a_manifest_that_cannot_be_written_is_refused_before_any_build(tmp_path: Path, capsys) -> None:
+    from pipeline.build_command import main
+
+    recipe = str(write_recipe(tmp_path, "image-classifier"))
+    assert main([recipe, "--manifest", str(tmp_path / "no-such-folder" / "m.json")]) == 2
+    assert main([recipe, "--manifest", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("not a file in an existing folder") == 2
+
+
+def test_a_text_longer_than_the_models_positions_is_refused_at_the_source(tmp_path: Path) -> None:
+    """MiniLM has 512 positions: a 1 024-token limit built, and the service failed to start."""
+    from pipeline.sources import load_source
+
+    with pytest.raises(RecipeError, match=r"text\.max_length: 1024 tokens, but the model has positions for 512"):
+        load_source(load_recipe(write_recipe(tmp_path, "text-embedder", text__max_length=1024)))
