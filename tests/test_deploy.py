@@ -314,6 +314,9 @@ def test_servicemonitor_scrapes_metrics_from_the_service():
     for endpoint in monitor["spec"]["endpoints"]:
         assert endpoint["port"] in service_ports
         assert endpoint.get("path", "/metrics") == "/metrics"
+        # Else the operator's own `endpoint` target label renames the service's to `exported_endpoint`,
+        # and the rules grouping by the API path match nothing.
+        assert endpoint.get("honorLabels") is True
 
 
 def test_plain_prometheus_scrape_keeps_only_optiserve_pods_on_the_http_port():
