@@ -106,6 +106,9 @@ class _Pending:
     trace: RequestTrace | None = None  # the caller's, given its queue wait and its batch's time
     admitted: float = 0.0  # its request's admission (monotonic seconds): its place in the queue
     finished: float = 0.0  # when its batch returned from the engine
+    # Its request's first piece: the queue-wait histogram counts requests (the saturation alert
+    # divides refusals by refusals + its count), so a request split into several pieces counts once.
+    first: bool = True
 
 
 @dataclass
@@ -524,6 +527,8 @@ class Batcher(Generic[Rows]):
                 )
             )
         pieces = [self._pending(part, admission.deadline + uploading, now, loop, admission.admitted) for part in parts]
+        for piece in pieces[1:]:
+            piece.first = False
         with self._queue.lock:
             self._unreserve(admission)
             admission.submitted = True
@@ -671,7 +676,8 @@ class Batcher(Generic[Rows]):
                     batch, expired = self._take_bulk(now), []
                     bulk = True
             for piece in batch if not bulk else ():
-                self._metrics.observe_queue_wait(now - piece.enqueued)
+                if piece.first:
+                    self._metrics.observe_queue_wait(now - piece.enqueued)
                 if piece.trace is not None:
                     piece.trace.add("queue", now - piece.enqueued)
             for piece in expired:

@@ -95,6 +95,8 @@ class ImageClassifier:
     def close(self) -> None:
         """Release the model once no request uses it any more (a hot swap: serving/lifecycle.py)."""
         self.model.close()
+        if self.monitor is not None:
+            self.monitor.release()
 
     def admit(
         self, images: int, *, timeout_ms: float | None = None, low: bool = False

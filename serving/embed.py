@@ -66,6 +66,8 @@ class TextEmbedder:
     def close(self) -> None:
         """Release the model once no request uses it any more (a hot swap: serving/lifecycle.py)."""
         self.model.close()
+        if self.monitor is not None:
+            self.monitor.release()
 
     async def embed(
         self,

@@ -7,8 +7,9 @@ a batch held (a front chunk of 32 images is one request but 32 rows), and how ma
 admission control turned away and why. These are the figures the load tester reads to explain a
 latency:
 
-- `optiserve_batch_queue_seconds{endpoint, model}`: per request to the batcher, the time from
-  joining the queue to the start of the batch that serves it (serving/batching.py stamps both).
+- `optiserve_batch_queue_seconds{endpoint, model}`: per request to the batcher (once, however many
+  batches its rows take), the time from joining the queue to the start of the first batch that
+  serves it (serving/batching.py stamps both).
 - `optiserve_inference_seconds{endpoint, model}`: per batch, the time `predict` spends in the
   engine (padding included for text).
 - `optiserve_batch_rows{endpoint, model}`: per batch, the rows `predict` received.

@@ -245,6 +245,8 @@ class ModelMonitor:
         self._windows = {name: Window(size) for name in (reference.statistics if reference is not None else ())}
         self._interval_s = drift_interval_s() if interval_s is None else interval_s
         self._due = 0.0
+        self._scored: set[str] = set()  # the statistics whose drift gauge has a score
+        self._released = False
 
     @classmethod
     def of_stored(cls, endpoint: str, stored: Any, class_names: Sequence[str] = ()) -> ModelMonitor | None:
@@ -299,6 +301,8 @@ class ModelMonitor:
     def update_drift(self) -> dict[str, float]:
         """Each full window's PSI against the reference, exported and returned; a score's gauge
         appears only then: at 0 before, it would say "no drift"."""
+        if self._released:
+            return {}
         scores = {
             name: self._reference.statistics[name].psi(window.values())
             for name, window in self._windows.items()
@@ -306,4 +310,13 @@ class ModelMonitor:
         }
         for name, score in scores.items():
             self._instruments["drift"].labels(**self._labels, statistic=name).set(score)
+        self._scored |= scores.keys()
         return scores
+
+    def release(self) -> None:
+        """The model serves no more (a hot swap): its scores say nothing of the traffic now, and a
+        gauge left at its last value would hold a drift alert on for ever. NaN compares true with
+        no threshold; removing the series is not possible with multi-process metrics."""
+        self._released = True
+        for name in self._scored:
+            self._instruments["drift"].labels(**self._labels, statistic=name).set(math.nan)

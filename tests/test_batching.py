@@ -187,6 +187,15 @@ def test_queue_wait_inference_time_and_rows_are_recorded_per_model() -> None:
     assert sample("optiserve_batch_queue_seconds_count", "metered") == 6
 
 
+def test_a_request_split_into_several_batches_counts_once_in_the_queue_wait() -> None:
+    """The saturation alert divides refusals by refusals + this count: per piece, a 20-image
+    request in 8-row batches counted three times, and 10 % refused read as 4 %."""
+    batcher = make_batcher(RecordingModel(0.001), endpoint="split-once", max_batch_size=8)
+    asyncio.run(submit(batcher, np.ones((20, 1))))
+    assert sample("optiserve_batch_rows_count", "split-once") == 3
+    assert sample("optiserve_batch_queue_seconds_count", "split-once") == 1
+
+
 def test_requests_the_queue_cannot_serve_in_time_are_refused_at_the_door_and_the_admitted_meet_it() -> None:
     """10 ms per row; a 200 ms deadline: about 20 rows' worth is admitted, the rest refused at once."""
     model = RecordingModel(seconds_per_batch=0.002, seconds_per_row=0.01)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import math
 from pathlib import Path
 
 import httpx
@@ -120,6 +121,25 @@ def test_drift_is_exported_once_the_window_is_full_and_at_most_every_interval() 
     scores = monitor.update_drift()
     assert scores["tokens"] > drift_threshold()  # every text 30 tokens: one bin of the reference's ten
     assert registry_value("optiserve_drift_psi", **labels, statistic="tokens") == scores["tokens"]
+
+
+def test_a_released_models_drift_scores_alert_no_more() -> None:
+    """After a hot swap the old model's last score stayed, and its drift alert with it, for ever."""
+    rng = np.random.default_rng(1)
+    reference = MonitoringReference(
+        data="held-out",
+        statistics={"tokens": Reference.of(rng.integers(5, 60, 512).astype(float), resolution=1.0)},
+        centroid=np.zeros(8).tolist(),
+    )
+    monitor = ModelMonitor(endpoint="released", model="m:1", reference=reference, window=10, interval_s=0)
+    labels = {"endpoint": "released", "model": "m:1", "statistic": "tokens"}
+    monitor.observe_embeddings([[1] * 30] * 10, embeddings(rng, 10))
+    assert registry_value("optiserve_drift_psi", **labels) > drift_threshold()
+
+    monitor.release()
+    assert math.isnan(registry_value("optiserve_drift_psi", **labels))
+    monitor.observe_embeddings([[1] * 30] * 10, embeddings(rng, 10))  # a request that was in flight
+    assert math.isnan(registry_value("optiserve_drift_psi", **labels))
 
 
 def test_a_model_stored_before_monitoring_is_served_without_drift_and_says_so(tmp_path, caplog) -> None:
