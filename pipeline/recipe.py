@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, get_args
 
@@ -346,18 +347,41 @@ def _check_requests(path: Path, requests: Path) -> None:
         raise RecipeError(f"{path}: {REQUESTS_FIELD}: no texts in {requests} (one request per line)")
 
 
+class RepeatedKey(yaml.YAMLError):
+    def __init__(self, key: object, line: int) -> None:
+        super().__init__(f"line {line}: {key!r} is given twice in one mapping")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error: PyYAML keeps the last
+    silently, and a second `serving:` block would drop the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise RepeatedKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_recipe(path: Path) -> LoadedRecipe:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
+    except RepeatedKey as exc:
+        raise RecipeError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping of fields")
     try:
-        recipe = RECIPE_ADAPTER.validate_python(raw)
+        # Strictly, as JSON: a number must be a number (YAML's `yes` is no 1 MB cache, nor "16" 16
+        # items), while lists still fill the tuple fields.
+        recipe = RECIPE_ADAPTER.validate_json(json.dumps(raw, default=str), strict=True)
     except ValidationError as exc:
         raise RecipeError(_format_error(path, exc)) from None
     files = {}

@@ -248,3 +248,23 @@ def test_a_text_longer_than_the_models_positions_is_refused_at_the_source(tmp_pa
 
     with pytest.raises(RecipeError, match=r"text\.max_length: 1024 tokens, but the model has positions for 512"):
         load_source(load_recipe(write_recipe(tmp_path, "text-embedder", text__max_length=1024)))
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two `serving:` blocks silently."""
+    recipe = write_recipe(tmp_path, "image-classifier")
+    recipe.write_text(recipe.read_text() + "serving:\n  endpoint: classify\n")
+    line = recipe.read_text().count("\n") - 1
+    with pytest.raises(
+        RecipeError, match=rf"image-classifier\.yaml: line {line}: 'serving' is given twice in one mapping"
+    ):
+        load_recipe(recipe)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("cache_mb", True), ("max_items_per_request", "16"), ("max_items_per_request", True)]
+)
+def test_a_number_must_be_a_number(tmp_path: Path, field: str, value: object) -> None:
+    """YAML's `yes` was a 1 MB cache, "16" sixteen items."""
+    with pytest.raises(RecipeError, match=rf"serving\.{field}: Input should be a valid"):
+        load_recipe(write_recipe(tmp_path, "image-classifier", **{f"serving__{field}": value}))
