@@ -314,8 +314,12 @@ class LoadedRecipe(BaseModel):
     def content_hash(self, extra: str = "") -> str:
         """Changes when what a build makes would change: the recipe, or any file it points at.
         Its `serving` section is left out: it goes to the manifest's route, never into a stored
-        model, so turning a cache on or moving an alias needs no rebuild."""
+        model, so turning a cache on or moving an alias needs no rebuild; but for `serving.variant`,
+        which the build selects, profiles in full and measures the memory of (unset, it adds
+        nothing, so that the builds of recipes without it are found again)."""
         digest = hashlib.sha256(self.recipe.model_dump_json(exclude={"serving"}).encode())
+        if self.recipe.serving.variant is not None:
+            digest.update(f"serving.variant={self.recipe.serving.variant}".encode())
         for field, path in sorted(self.files.items()):
             digest.update(field.encode())
             digest.update(file_digest(path).encode())

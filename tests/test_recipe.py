@@ -155,14 +155,16 @@ def test_relative_paths_resolve_against_the_recipe(tmp_path: Path) -> None:
 
 
 def test_content_hash_is_stable_and_changes_with_what_the_build_makes(tmp_path: Path) -> None:
-    for folder in "abc":
+    for folder in "abcd":
         (tmp_path / folder).mkdir()
     first = load_recipe(write_recipe(tmp_path / "a", "image-classifier"))
     changed = load_recipe(write_recipe(tmp_path / "b", "image-classifier", budget__p99_slo_ms=500))
     served_otherwise = load_recipe(write_recipe(tmp_path / "c", "image-classifier", serving__max_batch_size=8))
+    another_variant = load_recipe(write_recipe(tmp_path / "d", "image-classifier", serving__variant="openvino"))
     assert first.content_hash() == load_recipe(first.path).content_hash()
     assert first.content_hash() != changed.content_hash()
     assert first.content_hash() == served_otherwise.content_hash()  # serving settings go to the manifest only
+    assert first.content_hash() != another_variant.content_hash()  # but the build selects the variant served
 
 
 def test_missing_requests_file_names_the_field(tmp_path: Path) -> None:
