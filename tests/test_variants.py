@@ -513,7 +513,7 @@ def test_empty_calibration_set_is_a_clear_trial_error(tiny_text: BuildResult, tm
         ({"max_drop": {"top1": 0.01}}, "budget.max_drop.top1: not a metric of text-embedding"),
         ({"max_drop": {"mean_cosine": 2}}, "budget: max_drop.mean_cosine must be between 0 and 1"),
         ({"max_drop": {}}, "budget: max_drop needs at least one metric"),
-        ({"max_drop": "0.01"}, "budget.max_drop: Input should be a valid dictionary"),
+        ({"max_drop": "0.01"}, "budget.max_drop: Input should be an object"),
         (None, "variants need a budget"),
     ],
 )
