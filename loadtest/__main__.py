@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plots and result.levels:
         written += write_plots(result, args.out, stem)
     console.print("wrote " + ", ".join(str(p) for p in written))
+    if not result.levels:
+        console.print(f"[red]loadtest:[/red] nothing measured: {result.stopped}")
+        return 1
     if not any(level.result.ok for level in result.levels):
         errors: Counter[str] = Counter()
         for level in result.levels:

@@ -30,7 +30,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--manifest",
         type=Path,
         default=manifest_path(),
-        help="manifest to write (default: what `bentoml serve` reads, $OPTISERVE_MANIFEST or ./serving-manifest.json)",
+        help="manifest to write (default: what `bentoml serve` reads, $OPTISERVE_MANIFEST or the project's "
+        "serving-manifest.json)",
     )
     parser.add_argument("--reports", type=Path, default=Path("reports"), help="where report.md and plots go")
     parser.add_argument("--force", action="store_true", help="rebuild even when the store has this recipe")

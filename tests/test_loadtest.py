@@ -365,6 +365,8 @@ def test_the_cli_fails_when_no_request_succeeded_and_checks_its_plan_before_any_
     quick = ["--concurrency", "1", "--warmup", "0", "--window", "0.5", "--stable-windows", "1", "--max-windows", "1"]
     assert loadtest_main([url, *quick, "--no-plots", "--out", str(tmp_path)]) == 1
     assert "no request succeeded: ConnectionRefusedError × " in capsys.readouterr().err
+    assert loadtest_main([url, "--max-duration", "1", "--no-plots", "--out", str(tmp_path)]) == 1
+    assert "nothing measured: time budget of 1 s spent before level 1" in capsys.readouterr().err
     for wrong, said in (
         (["--headroom", "1"], "headroom is a fraction in [0, 1), got 1"),
         (["--target-qps", "0"], "the target QPS must be positive, got 0"),
