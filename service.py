@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from serving import api
 from serving.aliases import aliases_path
+from serving.bulk_routes import BulkTaskGuard
 from serving.cache import ResponseCache
 from serving.direct import DirectEndpoints, Handler
 from serving.door import Door, EarlyRetries, Guard
@@ -175,6 +176,9 @@ Optiserve = bentoml.service(
     tracing=bentoml_tracing("optiserve"),
 )(Optiserve)
 Optiserve.add_asgi_middleware(RequestTracing)  # the outermost of ours: refusals at the door carry its headers too
+Optiserve.add_asgi_middleware(
+    BulkTaskGuard, routes=(Optiserve.apis["embed_bulk"].route,), limit=api.MAX_BULK_BODY_BYTES
+)
 Optiserve.add_asgi_middleware(Door, guards=door_guards, early_retries=early_retries)
 Optiserve.add_asgi_middleware(AmendedOpenAPI, service=Optiserve)
 Optiserve.add_asgi_middleware(DirectEndpoints, handlers=direct_handlers)

@@ -22,6 +22,7 @@ from serving.schemas import EmbedResponse, ErrorBody
 from serving.tracing import REQUEST_ID_HEADER
 
 DOCUMENT_PATH = "/docs.json"
+SCHEMA_PATH = "/schema.json"  # BentoML's description of its APIs, which its clients read
 ERROR_REF = {"$ref": "#/components/schemas/ErrorBody"}
 # The statuses each endpoint answers with our error body (README, "The HTTP API").
 ERROR_STATUSES = {
@@ -131,20 +132,39 @@ def amend(document: dict[str, Any]) -> dict[str, Any]:
     return document
 
 
+def amend_service_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """BentoML's clients read /schema.json, where BentoML also kept only the first member of the
+    embeddings' union: they decoded each base64 vector into a list of its characters."""
+    embeddings = EmbedResponse.model_json_schema()["properties"]["embeddings"]
+    for route in schema["routes"]:
+        properties = route.get("output", {}).get("properties", {})
+        if "embeddings" in properties:
+            properties["embeddings"] = embeddings
+    return schema
+
+
 class AmendedOpenAPI:
-    """ASGI middleware answering GET /docs.json with the amended document, computed once."""
+    """ASGI middleware answering GET /docs.json and /schema.json with the amended documents, each
+    computed once."""
 
     def __init__(self, app: ASGIApp, *, service: Any) -> None:
         self.app = app
         self.service = service
-        self.body: bytes | None = None
+        self.bodies: dict[str, bytes] = {}
+
+    def document(self, path: str) -> bytes:
+        if path not in self.bodies:
+            if path == DOCUMENT_PATH:  # through JSON: statuses as strings, as served
+                amended = amend(json.loads(json.dumps(self.service.openapi_spec.asdict())))
+            else:
+                amended = amend_service_schema(self.service.schema())
+            self.bodies[path] = json.dumps(amended).encode()
+        return self.bodies[path]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != DOCUMENT_PATH or scope["method"] != "GET":
+        if scope["type"] != "http" or scope["path"] not in (DOCUMENT_PATH, SCHEMA_PATH) or scope["method"] != "GET":
             return await self.app(scope, receive, send)
-        if self.body is None:
-            as_json = json.loads(json.dumps(self.service.openapi_spec.asdict()))  # statuses as strings, as served
-            self.body = json.dumps(amend(as_json)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(self.body)).encode())]
+        body = self.document(scope["path"])
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": self.body})
+        await send({"type": "http.response.body", "body": body})
