@@ -76,6 +76,7 @@ MAX_DEADLINE_MS = 600_000
 # A refused request's body up to this size is left for the server to discard, so that its
 # connection serves the next one; a larger one's connection is closed instead.
 DISCARD_LIMIT_BYTES = 1024 * 1024
+PRIORITY_KEY = b"x-priority"
 # A refusal is never held longer than this, whatever Retry-After it follows.
 MAX_HOLD_S = 5.0
 # A connection back before this share of its last Retry-After came back early (clocks and timers differ).
@@ -179,7 +180,8 @@ class Door:
         if scope["type"] == "http" and scope["path"].startswith(MODELS_PREFIX) and scope["path"] not in self.guards:
             await answer_json(send, HTTPStatus.NOT_FOUND, self.no_such_model(scope["path"]), closing(scope))
             return
-        guard = self.guards.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        guarded = scope["type"] == "http" and scope["method"] == "POST" and not low_priority(scope)
+        guard = self.guards.get(scope["path"]) if guarded else None
         verdict = guard(*deadline_and_id(scope)) if guard is not None else nullcontext()
         if not isinstance(verdict, Refused):
             if guard is not None and self.early_retries is not None:
@@ -205,6 +207,15 @@ def client_of(scope: Scope) -> Client | None:
         return ("id", request_id)
     connection = scope.get("client")
     return None if connection is None else ("connection", *connection)
+
+
+def low_priority(scope: Scope) -> bool:
+    """A low-priority request (`X-Priority: low` or `?priority=low`) is judged in its handler
+    against its own lane: a place here is a normal request's, and low-priority ones were shed
+    for each other's places ("normal requests wait") with no normal request about."""
+    if any(key == PRIORITY_KEY and value == b"low" for key, value in scope["headers"]):
+        return True
+    return b"priority=low" in scope.get("query_string", b"").split(b"&")
 
 
 def deadline_and_id(scope: Scope) -> tuple[float | None, str | None]:

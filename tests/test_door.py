@@ -96,6 +96,30 @@ def test_the_guard_is_asked_with_the_clients_deadline_and_id_and_a_malformed_dea
     assert asked == [(250.0, "r-1"), (None, None), (None, None)]
 
 
+def test_a_low_priority_request_takes_no_normal_place_at_the_door() -> None:
+    """Its handler judges it against its own lane; a normal place held meanwhile shed the other
+    low-priority requests as if normal ones waited."""
+    asked: list[float | None] = []
+
+    def guard(timeout_ms: float | None, request_id: str | None) -> AbstractContextManager[None]:
+        asked.append(timeout_ms)
+        return nullcontext()
+
+    async def scenario() -> list[str]:
+        client, app = door_client(guard)
+        async with client:
+            for path, headers in (
+                ("/classify", {"X-Priority": "low"}),
+                ("/classify?priority=low", {}),
+                ("/classify", {}),
+            ):
+                assert (await client.post(path, content=b"x", headers=headers)).text == "served"
+        return app.seen
+
+    assert asyncio.run(scenario()) == ["/classify"] * 3
+    assert asked == [None], "only the normal request was placed"
+
+
 def test_a_connection_back_before_its_retry_after_is_held_until_then_and_one_that_waited_is_not() -> None:
     early = EarlyRetries()
     first, second = ("10.0.0.1", 5001), ("10.0.0.2", 5002)
