@@ -414,7 +414,8 @@ class Batcher(Generic[Rows]):
             return Shed(message, retry_after_s=max(1.0, self._drain_seconds(now))), now
         budget_ms = self._budget_ms(timeout_ms)
         budget_left = budget_ms / 1000 - self._spent_seconds(timeout_ms)
-        low_batch = self._speed.small_batch_cost() or own_cost
+        # Its batches as `_split` cuts them: to the small batch's cost, but never within a row.
+        low_batch = max(self._speed.small_batch_cost() or own_cost, own_cost / rows)
         low_work = self._speed.engine_seconds(queue.low_cost + own_cost, low_batch)
         work = self._queued_seconds(now) + low_work + self._returning()
         late = work - budget_left

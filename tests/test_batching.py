@@ -674,6 +674,31 @@ async def submit_low(batcher: Batcher, rows, *, timeout_ms: float | None = None)
         return await batcher.run(rows, admission)
 
 
+def test_low_priority_work_is_estimated_in_the_batches_it_runs_in() -> None:
+    """A low request's small batches are cut between rows, never within one. Counted as batches
+    of less than a row, each with the engine's fixed cost, low work was estimated at several
+    times what it took, and requests the lane would run well within the deadline were refused."""
+
+    def engine(rows: list) -> np.ndarray:  # 4 ms a call and 20 µs a padded token, as an engine
+        time.sleep(0.004 + 20e-6 * max(len(row) for row in rows) * len(rows))
+        return np.zeros((len(rows), 4))
+
+    limits = {"max_batch_size": 64, "max_batch_tokens": 3410, "max_latency_ms": 1200}
+    batcher = make_batcher(engine, endpoint="low-estimate", tokens=True, **limits)
+    rows = [[1] * 40] * 8
+
+    async def scenario() -> None:
+        for size in (1, 2, 8, 32, 64, 1):
+            await submit(batcher, [[1] * 40] * size)
+        assert batcher._speed.small_batch_cost() < 40, "the small batch is less than a row here"
+        running = [asyncio.ensure_future(submit_low(batcher, rows)) for _ in range(20)]
+        await asyncio.sleep(0)  # twenty in their lane: 160 one-row batches, about 0.8 s
+        await submit_low(batcher, rows)  # refused before, as taking several seconds
+        await asyncio.gather(*running)
+
+    asyncio.run(scenario())
+
+
 def test_low_priority_rows_run_in_small_batches_only_while_no_normal_request_waits() -> None:
     """Low requests admitted first, on an idle engine; normal ones arriving behind them overtake
     every low batch not already running, and each low batch is about 2 ms of engine time."""
