@@ -282,8 +282,14 @@ async def arriving_in_time() -> AsyncIterator[None]:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused as soon as it passes `limit` bytes, declared or chunked."""
+    """The whole body, uncompressed, of at most `limit` bytes (`read_within`)."""
     check_not_encoded(request)
+    return await read_within(request, limit)
+
+
+async def read_within(request: Request, limit: int) -> bytes:
+    """The whole body, refused as soon as it passes `limit` bytes, declared or chunked, or once it
+    has taken `OPTISERVE_BODY_TIMEOUT_S` to arrive."""
     check_declared_length(request, limit)
     chunks, size = [], 0
     with timed("read"):

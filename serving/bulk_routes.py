@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Collection
 from http import HTTPStatus
 
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.api import arriving_in_time
+from serving.api import read_within
 from serving.door import answer_json, closing
-from serving.errors import InputTooLarge, RequestError
+from serving.errors import RequestError
 
 CANCEL_UNSUPPORTED = {"error": "task cancellation is not supported by the local server"}
 
@@ -38,24 +39,12 @@ class BulkTaskGuard:
         if scope["path"] in self.cancels:
             return await answer_json(send, HTTPStatus.BAD_REQUEST, CANCEL_UNSUPPORTED, closing(scope))
         try:
-            async with arriving_in_time():
-                body = await self.read(scope, receive)
+            body = await read_within(Request(scope, receive), self.limit)
         except RequestError as error:
             return await answer_json(send, error.status, error.to_json(), closing(scope))
+        except ClientDisconnect:  # gone before its body had arrived: nothing to submit, no one to answer
+            return
         await self.app(scope, replaying(body, receive), send)
-
-    async def read(self, scope: Scope, receive: Receive) -> bytes:
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
-            raise InputTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {self.limit} bytes")
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False) and message["type"] == "http.request"
-            if len(body) > self.limit:
-                raise InputTooLarge(f"request body exceeds the limit of {self.limit} bytes")
-        return bytes(body)
 
 
 def replaying(body: bytes, receive: Receive) -> Receive:
