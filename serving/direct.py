@@ -14,6 +14,9 @@ request's id being in `X-Request-ID` (serving/tracing.py).
 
 A request with an `Origin` header, a browser's cross-origin one, goes BentoML's way, where its
 CORS settings (`http.cors`) apply.
+
+Everything passed on that no route takes (Starlette's plain-text "Not Found" and "Method Not
+Allowed") gets our JSON 404 or 405 instead, as a path below /models/ does at the door.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ORIGIN_KEY = b"origin"
+CONTENT_TYPE_KEY = b"content-type"
+ALLOW_KEY = b"allow"
 
 # What answers a model endpoint's request, by path (filled once the service's models are loaded).
 Handler = Callable[[Request], Awaitable[Response]]
@@ -43,13 +48,39 @@ class DirectEndpoints:
             return
         handler = self.handlers.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if handler is None or any(key == ORIGIN_KEY for key, _ in scope["headers"]):
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, json_router_errors(scope, send) if scope["type"] == "http" else send)
             return
         response = await handler(Request(scope, receive))
         await response(scope, receive, send)
 
 
-def method_not_allowed(scope: Scope) -> Response:
+def json_router_errors(scope: Scope, send: Send) -> Send:
+    """`send`, with Starlette's plain-text 404 and 405 (a path, or a method, no route takes) replaced
+    by our JSON errors; BentoML's own JSON errors (a task id it does not know) go out as they are."""
+    replaced: dict[bytes, bytes] | None = None  # the plain-text answer's headers, once it has begun
+
+    async def send_json(message: Message) -> None:
+        nonlocal replaced
+        if message["type"] == "http.response.start" and message["status"] in (404, 405):
+            headers = dict(message.get("headers", []))
+            replaced = headers if headers.get(CONTENT_TYPE_KEY, b"").startswith(b"text/plain") else None
+        if replaced is None:
+            await send(message)
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            allow = replaced.get(ALLOW_KEY)
+            answer = not_found(scope) if allow is None else method_not_allowed(scope, allow.decode("latin-1"))
+            await send({"type": "http.response.start", "status": answer.status_code, "headers": answer.raw_headers})
+            await send({"type": "http.response.body", "body": answer.body})
+
+    return send_json
+
+
+def not_found(scope: Scope) -> Response:
+    body = {"error": f"no endpoint at {scope['path']}; the API is described at /docs.json", "type": "not_found"}
+    return JSONResponse(body, status_code=404)
+
+
+def method_not_allowed(scope: Scope, allow: str = "POST") -> Response:
     """Our JSON error, where Starlette's router would answer a plain-text 405."""
-    body = {"error": f"{scope['method']} {scope['path']}: the endpoint takes POST", "type": "method_not_allowed"}
-    return JSONResponse(body, status_code=405, headers={"Allow": "POST"})
+    body = {"error": f"{scope['method']} {scope['path']}: the endpoint takes {allow}", "type": "method_not_allowed"}
+    return JSONResponse(body, status_code=405, headers={"Allow": allow})

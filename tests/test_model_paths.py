@@ -162,3 +162,24 @@ def test_the_alerts_and_panels_on_request_paths_watch_every_models_endpoints(ser
                 if selector.name.startswith("bentoml_service_request") and is_path:
                     unmatched = [path for path in served if not re.fullmatch(matcher.value, path)]
                     assert unmatched == [], f"{where}: {matcher.value!r} misses {unmatched}"
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_path_no_route_knows_is_a_json_404_pointing_at_the_api_description(server, method: str) -> None:
+    with server.client() as client:
+        answer = client.request(method, "/no-such-endpoint", json={"texts": ["a"]})
+        task = client.get("/embed_bulk/status", params={"task_id": "no-such-task"})
+    assert answer.status_code == 404
+    assert answer.json() == {
+        "error": "no endpoint at /no-such-endpoint; the API is described at /docs.json",
+        "type": "not_found",
+    }
+    assert (task.status_code, task.json()) == (404, {"error": "task_id not found"})  # BentoML's own, as it is
+
+
+def test_a_method_a_route_does_not_take_is_a_json_405_with_the_methods_it_does(server) -> None:
+    with server.client() as client:
+        answer = client.post("/docs.json")
+    assert answer.status_code == 405
+    assert answer.headers["allow"] == "GET, HEAD"
+    assert answer.json() == {"error": "POST /docs.json: the endpoint takes GET, HEAD", "type": "method_not_allowed"}
