@@ -86,6 +86,9 @@ FORM_OVERHEAD_BYTES = 64 * 1024
 MAX_EMBED_BODY_BYTES = 4 * 1024 * 1024
 MAX_BULK_BODY_BYTES = 64 * 1024 * 1024
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+# The end of a multipart body kept to find its closing boundary (RFC 2046: at most 70 characters,
+# then "--" and an epilogue that clients leave empty or end with a line break).
+TAIL_BYTES = 1024
 MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
 MODEL_TAG_HEADER = "X-Model-Tag"  # the stored model that produced the answer, as its body's `model`
@@ -304,14 +307,16 @@ async def read_within(request: Request, limit: int) -> bytes:
 
 async def read_form(request: Request, limit: int, *, max_files: int, hint: str = "") -> FormData:
     """The form, parsed by Starlette, whose malformed-body errors get our statuses; refused as soon
-    as its body passes `limit` bytes, declared or chunked (Starlette reads a form whole, files to disk)."""
+    as its body passes `limit` bytes, declared or chunked (Starlette reads a form whole, files to disk).
+    A multipart body cut short is refused as such: Starlette drops its unfinished part silently,
+    and the error would otherwise be that the field is missing."""
     check_not_encoded(request)
     check_declared_length(request, limit)
+    body = LimitedBody(request.receive, limit)
     try:
         with timed("read"):
             async with arriving_in_time():
-                limited = Request(request.scope, at_most(request.receive, limit))
-                return await limited.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
+                form = await Request(request.scope, body).form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
     except (HTTPException, MultiPartException) as exc:
         message = exc.detail if isinstance(exc, HTTPException) else exc.message
         if message.startswith("Too many files"):
@@ -319,21 +324,37 @@ async def read_form(request: Request, limit: int, *, max_files: int, hint: str =
         if message.startswith("Too many fields"):
             raise InputTooLarge(f"more than {MAX_FORM_FIELDS} form fields in one request") from None
         raise InvalidInput(f"malformed form body: {message}") from None
+    if media_type(request) == "multipart/form-data":
+        check_closed(request.headers.get("content-type", ""), body.tail)
+    return form
 
 
-def at_most(receive: Receive, limit: int) -> Receive:
-    """`receive`, raising `InputTooLarge` once the body it has given passes `limit` bytes."""
-    size = 0
+def check_closed(content_type: str, tail: bytes) -> None:
+    """Refuses a multipart body whose end has no closing boundary (`--boundary--`)."""
+    boundary = content_type.partition("boundary=")[2].split(";")[0].strip().strip('"')
+    closing = f"--{boundary}--"
+    if closing.encode("latin-1", "replace") not in tail:
+        raise InvalidInput(f"malformed form body: it ends without its closing boundary {closing!r} (cut short?)")
 
-    async def counted() -> Message:
-        nonlocal size
-        message = await receive()
-        size += len(message.get("body", b""))
-        if size > limit:
-            raise InputTooLarge(f"request body exceeds the limit of {limit} bytes")
+
+class LimitedBody:
+    """`receive`, raising `InputTooLarge` once the body it has given passes `limit` bytes; keeps the
+    body's last bytes, where a multipart body's closing boundary is."""
+
+    def __init__(self, receive: Receive, limit: int) -> None:
+        self.receive = receive
+        self.limit = limit
+        self.size = 0
+        self.tail = b""
+
+    async def __call__(self) -> Message:
+        message = await self.receive()
+        chunk = message.get("body", b"")
+        self.size += len(chunk)
+        if self.size > self.limit:
+            raise InputTooLarge(f"request body exceeds the limit of {self.limit} bytes")
+        self.tail = (self.tail + chunk)[-TAIL_BYTES:]
         return message
-
-    return counted
 
 
 async def read_uploads(

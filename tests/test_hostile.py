@@ -185,6 +185,25 @@ HOSTILE: dict[str, tuple[str, Callable[[], dict], int]] = {
 }
 
 
+def multipart_photo(boundary: str, *, closed: bool) -> bytes:
+    head = f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="c.jpg"\r\n'
+    body = head.encode() + b"Content-Type: image/jpeg\r\n\r\n" + chelsea()
+    return body + f"\r\n--{boundary}--\r\n".encode() if closed else body
+
+
+def test_a_multipart_body_cut_short_is_refused_as_such_not_as_a_missing_field(server) -> None:
+    with server.client() as client:
+        cut = client.post("/classify", content=multipart_photo("xx", closed=False), headers=form_type("xx"))
+        whole = client.post("/classify", content=multipart_photo("q y", closed=True), headers=form_type('"q y"'))
+    assert cut.status_code == 422
+    assert cut.json()["error"] == "malformed form body: it ends without its closing boundary '--xx--' (cut short?)"
+    assert whole.status_code == 200, whole.text  # a quoted boundary, closed as RFC 2046 says
+
+
+def form_type(boundary: str) -> dict[str, str]:
+    return {"content-type": f"multipart/form-data; boundary={boundary}"}
+
+
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_input_gets_a_clear_answer_and_the_service_keeps_serving(server, case: str) -> None:
     path, request, status = HOSTILE[case]
