@@ -32,7 +32,16 @@ from starlette.types import Message, Receive
 
 from serving.cache import ResponseCache, cache_key
 from serving.classify import ImageClassifier, ImageUpload
-from serving.door import DEADLINE_HEADER, EarlyRetries, Guard, closing, parse_deadline_ms
+from serving.door import (
+    DEADLINE_HEADER,
+    PRIORITY_HEADER,
+    PRIORITY_QUERY,
+    EarlyRetries,
+    Guard,
+    chosen_priority,
+    closing,
+    parse_deadline_ms,
+)
 from serving.embed import TextEmbedder, encode_base64_f16
 from serving.errors import (
     BodyTimeout,
@@ -93,8 +102,6 @@ MAX_FORM_FIELDS = 64
 BODY_TIMEOUT_S = body_timeout_s()
 MODEL_TAG_HEADER = "X-Model-Tag"  # the stored model that produced the answer, as its body's `model`
 CACHE_HEADER = "X-Cache"  # `hit` or `miss`, on the answers of an endpoint with a response cache
-PRIORITY_HEADER = "X-Priority"  # `low` or `normal` (default); also the query parameter `priority`
-PRIORITIES = ("normal", "low")
 DEFAULT_TOP_K, MAX_TOP_K = 5, 1000
 INTERNAL_ERROR = {"error": "internal error while serving the request", "type": "internal"}
 # The endpoints of each kind of model, below the default path and each model's own (`Routed.paths`).
@@ -394,10 +401,7 @@ def client_deadline_ms(request: Request) -> float | None:
 
 def low_priority(request: Request) -> bool:
     """Whether the client asked for low priority, in the X-Priority header or the `priority` query."""
-    value = request.headers.get(PRIORITY_HEADER, request.query_params.get("priority", "normal"))
-    if value not in PRIORITIES:
-        raise InvalidInput(f"{PRIORITY_HEADER} (or the query's priority) must be 'normal' or 'low', got {value!r}")
-    return value == "low"
+    return chosen_priority(request.headers.get(PRIORITY_HEADER), request.query_params.get(PRIORITY_QUERY)) == "low"
 
 
 def resolve_top_k(request: Request, form: dict[str, str]) -> int:

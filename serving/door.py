@@ -62,6 +62,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from http import HTTPStatus
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -76,7 +77,10 @@ MAX_DEADLINE_MS = 600_000
 # A refused request's body up to this size is left for the server to discard, so that its
 # connection serves the next one; a larger one's connection is closed instead.
 DISCARD_LIMIT_BYTES = 1024 * 1024
-PRIORITY_KEY = b"x-priority"
+PRIORITY_HEADER = "X-Priority"  # `low` or `normal` (default); also the query parameter `priority`
+PRIORITY_KEY = PRIORITY_HEADER.lower().encode()
+PRIORITY_QUERY = "priority"
+PRIORITIES = ("normal", "low")
 # A refusal is never held longer than this, whatever Retry-After it follows.
 MAX_HOLD_S = 5.0
 # A connection back before this share of its last Retry-After came back early (clocks and timers differ).
@@ -210,12 +214,24 @@ def client_of(scope: Scope) -> Client | None:
 
 
 def low_priority(scope: Scope) -> bool:
-    """A low-priority request (`X-Priority: low` or `?priority=low`) is judged in its handler
-    against its own lane: a place here is a normal request's, and low-priority ones were shed
-    for each other's places ("normal requests wait") with no normal request about."""
-    if any(key == PRIORITY_KEY and value == b"low" for key, value in scope["headers"]):
-        return True
-    return b"priority=low" in scope.get("query_string", b"").split(b"&")
+    """A low-priority request is judged in its handler against its own lane: a place here is a
+    normal request's, and low-priority ones were shed for each other's places ("normal requests
+    wait") with no normal request about. Read as the handler reads it (`chosen_priority`); one it
+    will refuse as malformed is placed as a normal one."""
+    header = next((value.decode("latin-1") for key, value in scope["headers"] if key == PRIORITY_KEY), None)
+    query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True))
+    try:
+        return chosen_priority(header, query.get(PRIORITY_QUERY)) == "low"
+    except InvalidInput:
+        return False
+
+
+def chosen_priority(header: str | None, query: str | None) -> str:
+    """The request's priority: its header's, else its query's, else normal."""
+    value = header if header is not None else query if query is not None else "normal"
+    if value not in PRIORITIES:
+        raise InvalidInput(f"{PRIORITY_HEADER} (or the query's priority) must be 'normal' or 'low', got {value!r}")
+    return value
 
 
 def deadline_and_id(scope: Scope) -> tuple[float | None, str | None]:

@@ -16,8 +16,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.api import DEFAULT_TOP_K, MAX_TOP_K, MODEL_TAG_HEADER, PRIORITIES, PRIORITY_HEADER
-from serving.door import DEADLINE_HEADER, MAX_DEADLINE_MS
+from serving.api import DEFAULT_TOP_K, MAX_TOP_K, MODEL_TAG_HEADER
+from serving.door import DEADLINE_HEADER, MAX_DEADLINE_MS, PRIORITIES, PRIORITY_HEADER
 from serving.schemas import EmbedResponse, ErrorBody
 from serving.tracing import REQUEST_ID_HEADER
 

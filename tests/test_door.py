@@ -111,13 +111,16 @@ def test_a_low_priority_request_takes_no_normal_place_at_the_door() -> None:
             for path, headers in (
                 ("/classify", {"X-Priority": "low"}),
                 ("/classify?priority=low", {}),
+                ("/classify?top_k=3&priority=%6Cow", {}),
                 ("/classify", {}),
+                ("/classify?priority=low", {"X-Priority": "normal"}),  # the header decides, as in the handler
+                ("/classify?priority=low", {"X-Priority": "urgent"}),  # a 422 in the handler, placed as normal
             ):
                 assert (await client.post(path, content=b"x", headers=headers)).text == "served"
         return app.seen
 
-    assert asyncio.run(scenario()) == ["/classify"] * 3
-    assert asked == [None], "only the normal request was placed"
+    assert asyncio.run(scenario()) == ["/classify"] * 6
+    assert asked == [None, None, None], "only the normal requests were placed"
 
 
 def test_a_connection_back_before_its_retry_after_is_held_until_then_and_one_that_waited_is_not() -> None:
