@@ -51,7 +51,7 @@ from serving.model_spec import ONNX_FILE, SPEC_KEY, TEACHER_FILE, ModelSpec
 from serving.monitoring import MONITORING_KEY
 
 # Bump when export or registration changes what an unchanged recipe produces.
-EXPORT_REVISION = "5"
+EXPORT_REVISION = "6"
 Step = Callable[[str], None]
 BUILD_STEPS = "build_steps"  # the selected variant's metadata: the steps of the build that made it
 EAGER = "pytorch-eager"

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from pipeline.recipe import ImagePreprocess
+from pipeline.sentence_config import PoolingMode, SentencePooling
 
 IMAGE_INPUT = "images"
 IMAGE_OUTPUT = "probabilities"
@@ -40,11 +41,13 @@ class ImageClassifierGraph(torch.nn.Module):
 
 
 class SentenceEmbeddingGraph(torch.nn.Module):
-    """Token ids in, mean-pooled L2-normalized sentence embeddings out (sentence-transformers' recipe)."""
+    """Token ids in, sentence embeddings out, pooled (and normalized or not) as the model directory
+    says (pipeline/sentence_config.py): mean-pooled and L2-normalized by default."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, pooling: SentencePooling | None = None) -> None:
         super().__init__()
         self.model = model
+        self.pooling = pooling or SentencePooling()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.pool(self.token_states(input_ids, attention_mask), attention_mask)
@@ -54,11 +57,26 @@ class SentenceEmbeddingGraph(torch.nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=torch.zeros_like(input_ids)
         ).last_hidden_state
 
-    @staticmethod
-    def pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, p=2, dim=-1)
+    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        pooled = pool_tokens(hidden, attention_mask, self.pooling.mode)
+        return torch.nn.functional.normalize(pooled, p=2, dim=-1) if self.pooling.normalize else pooled
+
+
+def pool_tokens(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
+    """sentence-transformers' `Pooling` for right-padded rows (the only padding optiserve makes)."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "max":
+        return hidden.masked_fill(mask == 0, float("-inf")).max(dim=1).values
+    if mode == "lasttoken":
+        last = (attention_mask.sum(dim=1) - 1).clamp(min=0).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
+        return torch.gather(hidden, 1, last).squeeze(1)
+    if mode == "weightedmean":
+        mask = mask * torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype).view(1, -1, 1)
+    summed = (hidden * mask).sum(dim=1)
+    count = mask.sum(dim=1).clamp(min=1e-9)
+    return summed / (count.sqrt() if mode == "mean_sqrt_len_tokens" else count)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pipeline.recipe import (
     TorchvisionSource,
     TrainDigitsSource,
 )
+from pipeline.sentence_config import SentenceConfigError, SentencePooling, read_sentence_config
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SourceModel:
     module: torch.nn.Module
     class_names: list[str] | None = None
     model_dir: Path | None = None
+    pooling: SentencePooling | None = None  # text models: how the directory makes one vector per text
 
 
 Loader = Callable[[LoadedRecipe], SourceModel]
@@ -107,6 +109,10 @@ def _huggingface(loaded: LoadedRecipe) -> SourceModel:
     for required in ("config.json", "tokenizer.json"):
         if not (model_dir / required).is_file():
             raise RecipeError(f"{loaded.path}: source.path: {model_dir} has no {required}")
+    try:
+        sentence = read_sentence_config(model_dir)
+    except SentenceConfigError as exc:
+        raise RecipeError(f"{loaded.path}: source.path: {exc}") from exc
     # Eager attention exports to plain MatMul/Softmax that ORT's transformer optimizer can fuse.
     module = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager", local_files_only=True)
     positions = getattr(module.config, "max_position_embeddings", None)
@@ -115,7 +121,7 @@ def _huggingface(loaded: LoadedRecipe) -> SourceModel:
             f"{loaded.path}: text.max_length: {loaded.recipe.text.max_length} tokens, but the model has "
             f"positions for {positions}: a longer text would fail in the service"
         )
-    return SourceModel(module=module, model_dir=model_dir)
+    return SourceModel(module=module, model_dir=model_dir, pooling=sentence.pooling)
 
 
 @loader(TrainDigitsSource)

@@ -231,7 +231,7 @@ def distill_embeddings(
             feeds, target = tensors[index], targets[index]
             mask = feeds["attention_mask"]
             hidden = student_graph.token_states(feeds["input_ids"], mask)
-            loss = _embedding_loss(hidden, target, mask)
+            loss = _embedding_loss(student_graph, hidden, target, mask)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -239,10 +239,12 @@ def distill_embeddings(
     return student_graph
 
 
-def _embedding_loss(hidden: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1 − cosine of the pooled embeddings, plus the mean squared error per real token and dimension."""
-    pool = SentenceEmbeddingGraph.pool
-    cosine = (pool(hidden, mask) * pool(target, mask)).sum(-1)
+def _embedding_loss(
+    graph: SentenceEmbeddingGraph, hidden: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """1 − cosine of the embeddings pooled as the graph's, plus the mean squared error per real token
+    and dimension."""
+    cosine = nn.functional.cosine_similarity(graph.pool(hidden, mask), graph.pool(target, mask), dim=-1)
     weights = mask.unsqueeze(-1).to(hidden.dtype)
     token_error = ((hidden - target) ** 2 * weights).sum() / weights.sum() / hidden.shape[-1]
     return (1 - cosine).mean() + token_error

@@ -95,7 +95,7 @@ def answered_by_teacher(outputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class TextModelRuntime(_EngineRuntime):
-    """Unpadded token ids in, one L2-normalized embedding per row out."""
+    """Unpadded token ids in, one embedding per row out (L2-normalized unless the model says otherwise)."""
 
     batched_by_tokens = True
 

@@ -1,4 +1,4 @@
-"""Sentence embedding: token ids in, mean-pooled L2-normalized vectors out, judged by cosine to FP32."""
+"""Sentence embedding: token ids in, pooled vectors out (as the model directory says), judged by cosine to FP32."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class TextEmbedding(PipelineTask):
         attention_mask = torch.ones_like(input_ids)
         attention_mask[1, 9:] = 0
         return ServingGraph(
-            module=SentenceEmbeddingGraph(source.module).eval(),
+            module=SentenceEmbeddingGraph(source.module, source.pooling).eval(),
             input_names=list(TEXT_INPUTS),
             output_names=[TEXT_OUTPUT],
             example_inputs=(input_ids, attention_mask),
@@ -93,7 +93,7 @@ class TextEmbedding(PipelineTask):
 
     def distill(self, teacher: torch.nn.Module, training: Split, feeds: Feeds, settings: Student) -> torch.nn.Module:
         """An evenly spread subset of the teacher's layers, trained on its embeddings and token states."""
-        student = SentenceEmbeddingGraph(layer_subset_student(teacher.model, settings.layers))
+        student = SentenceEmbeddingGraph(layer_subset_student(teacher.model, settings.layers), teacher.pooling)
         rows = sorted(training.rows, key=len)  # length buckets: little padding, much faster
         batches = [feeds(rows[i : i + DISTILLATION_BATCH]) for i in range(0, len(rows), DISTILLATION_BATCH)]
         return distill_embeddings(teacher, student, batches, epochs=settings.epochs)
