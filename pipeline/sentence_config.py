@@ -1,10 +1,11 @@
 """What a sentence-transformers directory does beyond its transformer, read from its own files.
 
 `SentenceTransformer(dir).encode` pools the token states as `1_Pooling/config.json` says (CLS for
-BGE models, mean for MiniLM, ...) and L2-normalizes only where `modules.json` lists a Normalize
-module; TEI reads the same files. The export builds that into the graph, so that the service
-answers as sentence-transformers does. A plain Hugging Face directory (no `modules.json`) is
-mean-pooled and normalized.
+BGE models, mean for MiniLM, ...), L2-normalizes only where `modules.json` lists a Normalize
+module and cuts texts at `sentence_bert_config.json`'s `max_seq_length`; TEI reads the same files.
+The export builds the pooling into the graph and the recipe's `text.max_length` may not pass that
+cut, so that the service answers as sentence-transformers does. A plain Hugging Face directory (no
+`modules.json`) is mean-pooled and normalized.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 PoolingMode = Literal["mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean"]
 MODULES_FILE = "modules.json"
+SETTINGS_FILE = "sentence_bert_config.json"
 # sentence-transformers before 6 wrote one boolean per mode.
 LEGACY_POOLING_KEYS: dict[str, PoolingMode] = {
     "pooling_mode_cls_token": "cls",
@@ -43,6 +45,7 @@ class SentencePooling(BaseModel):
 class SentenceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     pooling: SentencePooling = SentencePooling()
+    max_seq_length: int | None = None  # where sentence-transformers cuts a text, in tokens
 
 
 def _read_json(path: Path) -> dict | list:
@@ -74,8 +77,11 @@ def read_sentence_config(model_dir: Path) -> SentenceConfig:
     """The directory's pooling, normalization and length; refuses modules the export would drop
     (a Dense projection, say) rather than serve vectors sentence-transformers would not give."""
     modules_path = model_dir / MODULES_FILE
+    settings_path = model_dir / SETTINGS_FILE
+    settings = _read_json(settings_path) if settings_path.is_file() else {}
+    max_seq_length = settings.get("max_seq_length")
     if not modules_path.is_file():
-        return SentenceConfig()
+        return SentenceConfig(max_seq_length=max_seq_length)
     modules = _read_json(modules_path)
     kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]
     if kinds[:1] != ["Transformer"] or modules[0].get("path", "") not in ("", "."):
@@ -91,4 +97,5 @@ def read_sentence_config(model_dir: Path) -> SentenceConfig:
     mode = _pooling_mode(pooling_dir / "config.json")
     if "Normalize" in kinds and kinds.index("Normalize") < kinds.index("Pooling"):
         raise SentenceConfigError(f"{modules_path}: Normalize before Pooling is not supported")
-    return SentenceConfig(pooling=SentencePooling(mode=mode, normalize="Normalize" in kinds))
+    pooling = SentencePooling(mode=mode, normalize="Normalize" in kinds)
+    return SentenceConfig(pooling=pooling, max_seq_length=max_seq_length)

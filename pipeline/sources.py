@@ -121,6 +121,12 @@ def _huggingface(loaded: LoadedRecipe) -> SourceModel:
             f"{loaded.path}: text.max_length: {loaded.recipe.text.max_length} tokens, but the model has "
             f"positions for {positions}: a longer text would fail in the service"
         )
+    trained = sentence.max_seq_length
+    if trained is not None and loaded.recipe.text.max_length > trained:
+        raise RecipeError(
+            f"{loaded.path}: text.max_length: {loaded.recipe.text.max_length} tokens, but {model_dir}/"
+            f"sentence_bert_config.json has max_seq_length {trained}: sentence-transformers cuts texts there"
+        )
     return SourceModel(module=module, model_dir=model_dir, pooling=sentence.pooling)
 
 

@@ -144,3 +144,12 @@ def test_roberta_positions_kept_for_padding_are_not_counted(tmp_path: Path) -> N
     graph = TASKS["text-embedding"].serving_graph(None, source).module
     ids = torch.full((1, 512), 5)
     assert graph(ids, torch.ones_like(ids)).shape == (1, 64)
+
+
+def test_a_max_length_past_sentence_transformers_cut_is_refused(tmp_path: Path) -> None:
+    """Was: served: a text of more than max_seq_length tokens was embedded whole where
+    sentence-transformers (and TEI) cut it, a different vector (cosine 0.994 here, random weights)."""
+    model_dir = sentence_dir(tmp_path, "mean", normalize=True)  # max_seq_length 128
+    with pytest.raises(RecipeError, match=r"text\.max_length: 256 tokens, but .*max_seq_length 128"):
+        load_source(load_recipe(recipe_for(model_dir, max_length=256)))
+    assert load_source(load_recipe(recipe_for(model_dir, max_length=128))).pooling == SentencePooling()
