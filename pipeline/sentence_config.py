@@ -2,10 +2,11 @@
 
 `SentenceTransformer(dir).encode` pools the token states as `1_Pooling/config.json` says (CLS for
 BGE models, mean for MiniLM, ...), L2-normalizes only where `modules.json` lists a Normalize
-module and cuts texts at `sentence_bert_config.json`'s `max_seq_length`; TEI reads the same files.
-The export builds the pooling into the graph and the recipe's `text.max_length` may not pass that
-cut, so that the service answers as sentence-transformers does. A plain Hugging Face directory (no
-`modules.json`) is mean-pooled and normalized.
+module, cuts texts at `sentence_bert_config.json`'s `max_seq_length` and lowercases them where it
+says `do_lower_case`; TEI reads the same files. The export builds the pooling into the graph, the
+stored tokenizer lowercases, and the recipe's `text.max_length` may not pass that cut, so that the
+service answers as sentence-transformers does. A plain Hugging Face directory (no `modules.json`)
+is mean-pooled and normalized.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
+from tokenizers import Tokenizer, normalizers
 
 PoolingMode = Literal["mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean"]
 MODULES_FILE = "modules.json"
@@ -46,6 +48,7 @@ class SentenceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     pooling: SentencePooling = SentencePooling()
     max_seq_length: int | None = None  # where sentence-transformers cuts a text, in tokens
+    do_lower_case: bool = False  # sentence-transformers lowercases texts before its tokenizer
 
 
 def _read_json(path: Path) -> dict | list:
@@ -79,9 +82,9 @@ def read_sentence_config(model_dir: Path) -> SentenceConfig:
     modules_path = model_dir / MODULES_FILE
     settings_path = model_dir / SETTINGS_FILE
     settings = _read_json(settings_path) if settings_path.is_file() else {}
-    max_seq_length = settings.get("max_seq_length")
+    length = {"max_seq_length": settings.get("max_seq_length"), "do_lower_case": settings.get("do_lower_case", False)}
     if not modules_path.is_file():
-        return SentenceConfig(max_seq_length=max_seq_length)
+        return SentenceConfig(**length)
     modules = _read_json(modules_path)
     kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]
     if kinds[:1] != ["Transformer"] or modules[0].get("path", "") not in ("", "."):
@@ -98,4 +101,15 @@ def read_sentence_config(model_dir: Path) -> SentenceConfig:
     if "Normalize" in kinds and kinds.index("Normalize") < kinds.index("Pooling"):
         raise SentenceConfigError(f"{modules_path}: Normalize before Pooling is not supported")
     pooling = SentencePooling(mode=mode, normalize="Normalize" in kinds)
-    return SentenceConfig(pooling=pooling, max_seq_length=max_seq_length)
+    return SentenceConfig(pooling=pooling, **length)
+
+
+def lowercasing_tokenizer(tokenizer_file: Path, path: Path) -> Path:
+    """The tokenizer with a Lowercase normalizer first, as sentence-transformers sets up a
+    `do_lower_case` model's: stored in its place, it lowercases in the service too."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    steps = [normalizers.Lowercase()] + ([tokenizer.normalizer] if tokenizer.normalizer is not None else [])
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+    return path

@@ -28,6 +28,7 @@ class SourceModel:
     class_names: list[str] | None = None
     model_dir: Path | None = None
     pooling: SentencePooling | None = None  # text models: how the directory makes one vector per text
+    lowercase: bool = False  # text models: texts are lowercased before the tokenizer
 
 
 Loader = Callable[[LoadedRecipe], SourceModel]
@@ -127,7 +128,7 @@ def _huggingface(loaded: LoadedRecipe) -> SourceModel:
             f"{loaded.path}: text.max_length: {loaded.recipe.text.max_length} tokens, but {model_dir}/"
             f"sentence_bert_config.json has max_seq_length {trained}: sentence-transformers cuts texts there"
         )
-    return SourceModel(module=module, model_dir=model_dir, pooling=sentence.pooling)
+    return SourceModel(module=module, model_dir=model_dir, pooling=sentence.pooling, lowercase=sentence.do_lower_case)
 
 
 def usable_positions(module: torch.nn.Module) -> int | None:

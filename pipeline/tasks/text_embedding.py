@@ -13,6 +13,7 @@ from pipeline.evaluate import SliceFigures, embedding_figures, row_cosines
 from pipeline.export import TEXT_INPUTS, TEXT_OUTPUT, SentenceEmbeddingGraph, ServingGraph
 from pipeline.export_check import text_batches
 from pipeline.recipe import REQUESTS_FIELD, TextEmbeddingRecipe, request_texts
+from pipeline.sentence_config import lowercasing_tokenizer
 from pipeline.students import distill_embeddings, layer_subset_student
 from pipeline.tasks.base import PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT
@@ -56,6 +57,8 @@ class TextEmbedding(PipelineTask):
         profiling part."""
         recipe = loaded.recipe
         tokenizer_file = source.model_dir / TOKENIZER_FILE
+        if source.lowercase:
+            tokenizer_file = lowercasing_tokenizer(tokenizer_file, workdir / "lowercasing" / TOKENIZER_FILE)
         config = source.module.config
         text = TextInput(
             max_length=recipe.text.max_length, pad_token_id=config.pad_token_id or 0, dimensions=config.hidden_size
