@@ -182,3 +182,16 @@ def test_do_lower_case_lowercases_in_the_stored_tokenizer(tmp_path: Path) -> Non
     served = served_embeddings(recipe_for(model_dir), tmp_path, texts)
     expected = SentenceTransformer(str(model_dir), device="cpu").encode(texts)
     np.testing.assert_allclose(served, expected, atol=1e-5)
+
+
+def test_a_small_vocabulary_exports(tmp_path: Path) -> None:
+    """Was: the export's example ids were 1000-1999, and a model with fewer ids (characters, amino
+    acids) failed to export with "IndexError: index out of range in self"."""
+    from transformers import BertConfig, BertModel
+
+    model_dir = sentence_dir(tmp_path, "mean", normalize=True)
+    sizes = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+    BertModel(BertConfig(vocab_size=500, **sizes)).save_pretrained(model_dir)
+    loaded = load_recipe(recipe_for(model_dir))
+    graph = TASKS["text-embedding"].serving_graph(loaded.recipe, load_source(loaded))
+    assert export_onnx(graph, tmp_path / "model.onnx", opset=17).is_file()

@@ -37,7 +37,9 @@ class TextEmbedding(PipelineTask):
 
     def serving_graph(self, recipe: TextEmbeddingRecipe, source: SourceModel) -> ServingGraph:
         # Example with real padding: an all-ones mask lets the tracer drop masking from the graph.
-        input_ids = torch.randint(1000, 2000, (2, 16))
+        # Ids the vocabulary has: a small one (characters, amino acids) failed with "index out of range".
+        high = min(2000, source.module.config.vocab_size)
+        input_ids = torch.randint(high // 2, high, (2, 16))
         attention_mask = torch.ones_like(input_ids)
         attention_mask[1, 9:] = 0
         return ServingGraph(
