@@ -107,9 +107,13 @@ def _huggingface(loaded: LoadedRecipe) -> SourceModel:
     from transformers import AutoModel
 
     model_dir = loaded.files["source.path"]
-    for required in ("config.json", "tokenizer.json"):
-        if not (model_dir / required).is_file():
-            raise RecipeError(f"{loaded.path}: source.path: {model_dir} has no {required}")
+    if not (model_dir / "config.json").is_file():
+        raise RecipeError(f"{loaded.path}: source.path: {model_dir} has no config.json")
+    if not (model_dir / "tokenizer.json").is_file():
+        raise RecipeError(
+            f"{loaded.path}: source.path: {model_dir} has no tokenizer.json (the fast tokenizer's file, which the "
+            f"service reads); AutoTokenizer.from_pretrained(path).save_pretrained(path) writes one beside vocab.txt"
+        )
     try:
         sentence = read_sentence_config(model_dir)
     except SentenceConfigError as exc:

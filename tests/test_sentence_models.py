@@ -195,3 +195,10 @@ def test_a_small_vocabulary_exports(tmp_path: Path) -> None:
     loaded = load_recipe(recipe_for(model_dir))
     graph = TASKS["text-embedding"].serving_graph(loaded.recipe, load_source(loaded))
     assert export_onnx(graph, tmp_path / "model.onnx", opset=17).is_file()
+
+
+def test_a_directory_without_tokenizer_json_says_how_to_make_one(tmp_path: Path) -> None:
+    model_dir = sentence_dir(tmp_path, "mean", normalize=True)
+    (model_dir / "tokenizer.json").unlink()
+    with pytest.raises(RecipeError, match=r"source\.path: .* has no tokenizer\.json .*save_pretrained"):
+        load_source(load_recipe(recipe_for(model_dir)))
