@@ -6,6 +6,7 @@ failure into one error instead of stopping at the first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,10 +53,14 @@ def image_batches(spec: ImageInput) -> list[dict[str, np.ndarray]]:
 
 
 def text_batches(tokenizer_file: Path, max_length: int) -> list[dict[str, np.ndarray]]:
+    """The sample sentences at batch sizes 1, several and all, and a text of the recipe's whole
+    `max_length` beside a short one: the sentences stop near 180 tokens, and a model whose
+    positions end before `max_length` would pass on them and fail in the service."""
     tokenizer = TextTokenizer(tokenizer_file, max_length=max_length)
     texts = sample_texts()
     rows = tokenizer.encode(texts, truncate=True)
-    return [pad_batch(group, tokenizer.pad_id) for group in (rows[:1], rows[1:6], rows)]
+    (longest,) = tokenizer.encode([" ".join(texts * math.ceil(max_length / len(texts)))], truncate=True)
+    return [pad_batch(group, tokenizer.pad_id) for group in (rows[:1], rows[1:6], rows, [longest, rows[0]])]
 
 
 def _signature_failures(engine: OnnxEngine, graph: ServingGraph) -> list[str]:

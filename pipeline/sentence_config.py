@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, normalizers
 PoolingMode = Literal["mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean"]
 MODULES_FILE = "modules.json"
 SETTINGS_FILE = "sentence_bert_config.json"
+PROMPTS_FILE = "config_sentence_transformers.json"
 # sentence-transformers before 6 wrote one boolean per mode.
 LEGACY_POOLING_KEYS: dict[str, PoolingMode] = {
     "pooling_mode_cls_token": "cls",
@@ -81,6 +82,13 @@ def read_sentence_config(model_dir: Path) -> SentenceConfig:
     (a Dense projection, say) rather than serve vectors sentence-transformers would not give."""
     modules_path = model_dir / MODULES_FILE
     settings_path = model_dir / SETTINGS_FILE
+    prompts_path = model_dir / PROMPTS_FILE
+    prompt = _read_json(prompts_path).get("default_prompt_name") if prompts_path.is_file() else None
+    if prompt:
+        raise SentenceConfigError(
+            f"{prompts_path}: default_prompt_name {prompt!r}: sentence-transformers puts that prompt before every "
+            "text, the service embeds texts as they are sent; remove it, and let clients send the prompt"
+        )
     settings = _read_json(settings_path) if settings_path.is_file() else {}
     length = {"max_seq_length": settings.get("max_seq_length"), "do_lower_case": settings.get("do_lower_case", False)}
     if not modules_path.is_file():

