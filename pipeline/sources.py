@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import pickle
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,18 +63,88 @@ def load_class_names(loaded: LoadedRecipe, num_classes: int | None) -> list[str]
     return names
 
 
+# Where training scripts keep the weights in a checkpoint: Lightning and timm's `state_dict`,
+# PyTorch's tutorial `model_state_dict`, torchvision's reference scripts `model`.
+CHECKPOINT_KEYS = ("state_dict", "model_state_dict", "model")
+# What wrappers prefix every key with: DataParallel/DDP `module.`, torch.compile `_orig_mod.`,
+# a Lightning module holding the network as `self.model`.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
+SHOWN_KEYS = 3
+
+
+def unwrap_checkpoint(state: object, own_keys: Collection[str]) -> object:
+    """The state_dict inside a training checkpoint ({'model_state_dict': ..., 'optimizer': ...}), with
+    wrappers' key prefixes removed where every key has one and the network's own keys (`own_keys`) do not."""
+    while isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
+        inner = next((state[key] for key in CHECKPOINT_KEYS if isinstance(state.get(key), dict)), None)
+        if inner is None:
+            break
+        state = inner
+    stripped = True
+    while stripped and isinstance(state, dict) and state:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            theirs = all(isinstance(key, str) and key.startswith(prefix) for key in state)
+            if theirs and not all(key.startswith(prefix) for key in own_keys):
+                state = {key[len(prefix) :]: value for key, value in state.items()}
+                stripped = True
+    return state
+
+
+def _named(keys: list[str]) -> str:
+    more = f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else ""
+    return ", ".join(keys[:SHOWN_KEYS]) + more
+
+
+def state_dict_misfit(state: dict, module: torch.nn.Module, num_classes: int) -> str | None:
+    """Why `state` cannot load into `module`, in one line (torch's own lists every key), or None."""
+    own = module.state_dict()
+    missing = [key for key in own if key not in state]
+    unexpected = [key for key in state if key not in own]
+    shapes = [
+        f"{key} {tuple(state[key].shape)} (the architecture's: {tuple(value.shape)})"
+        for key, value in own.items()
+        if isinstance(state.get(key), torch.Tensor) and state[key].shape != value.shape
+    ]
+    problems = [f"missing {_named(missing)}"] if missing else []
+    problems += [f"unexpected {_named(unexpected)}"] if unexpected else []
+    problems += [f"shape of {_named(shapes)}"] if shapes else []
+    if not problems:
+        return None
+    # The classifier head: the last weight with a row per class, where a wrong num_classes shows.
+    head = next((key for key in reversed(own) if own[key].ndim >= 1 and own[key].shape[0] == num_classes), None)
+    theirs = state.get(head)
+    mismatch = isinstance(theirs, torch.Tensor) and theirs.ndim >= 1 and theirs.shape[0] != num_classes
+    hint = f"; source.num_classes is {num_classes}, the checkpoint has {theirs.shape[0]} classes" if mismatch else ""
+    return "; ".join(problems) + hint
+
+
 def _load_state_dict(loaded: LoadedRecipe, module: torch.nn.Module) -> None:
     path = loaded.files["source.weights"]
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # weights_only refuses code: a whole pickled model (torch.save(model)) would run whatever it holds.
+        raise RecipeError(
+            f"{loaded.path}: source.weights: {path} holds pickled Python objects, e.g. a whole model saved with "
+            "torch.save(model); save its weights instead: torch.save(model.state_dict(), path)"
+        ) from None
     except Exception as exc:  # torch raises several unrelated types for a bad file
         raise RecipeError(f"{loaded.path}: source.weights: cannot read {path} as a state_dict: {exc}") from exc
-    if isinstance(state, dict) and "state_dict" in state:
-        state = state["state_dict"]
-    try:
-        module.load_state_dict(state)
-    except RuntimeError as exc:
-        raise RecipeError(f"{loaded.path}: source.weights: {path} does not fit source.architecture: {exc}") from exc
+    state = unwrap_checkpoint(state, module.state_dict().keys())
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        keys = f" (keys: {_named([str(k) for k in state])})" if isinstance(state, dict) else ""
+        raise RecipeError(
+            f"{loaded.path}: source.weights: {path} is no state_dict of tensors{keys}; save model.state_dict(), "
+            f"or a checkpoint holding it under one of {', '.join(CHECKPOINT_KEYS)}"
+        )
+    misfit = state_dict_misfit(state, module, loaded.recipe.source.num_classes)
+    if misfit is not None:
+        raise RecipeError(
+            f"{loaded.path}: source.weights: {path} does not fit source.architecture "
+            f"{loaded.recipe.source.architecture}: {misfit}"
+        )
+    module.load_state_dict(state)
 
 
 @loader(EfficientNetLiteSource)

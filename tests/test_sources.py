@@ -1,0 +1,104 @@
+"""Source models: the checkpoints users have load, and those that cannot say why in one line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+import yaml
+
+from pipeline.recipe import RecipeError, load_recipe
+from pipeline.sources import load_source
+
+ARCHITECTURE = "resnet18"
+CLASSES = 3
+
+
+def own_recipe(tmp_path: Path, weights: Path, **source: object) -> Path:
+    """A user's torchvision classifier: their weights, their labels."""
+    (tmp_path / "labels.txt").write_text("cat\ndog\nbird\n")
+    recipe = {
+        "name": "mine",
+        "task": "image-classification",
+        "source": {"kind": "torchvision", "architecture": ARCHITECTURE, "weights": weights.name}
+        | {"num_classes": CLASSES}
+        | source,
+        "labels": "labels.txt",
+        "image": {"size": 224, "resize": 256, "mean": [123.7, 116.3, 103.5], "std": [58.4, 57.1, 57.4]},
+        "export": {"tolerance": {"max_abs_diff": 1.0e-4, "min_cosine": 0.9999}},
+        "serving": {},
+    }
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torchvision.models.get_model(ARCHITECTURE, weights=None, num_classes=CLASSES).eval()
+
+
+def prefixed(prefix: str) -> Callable[[dict], dict]:
+    return lambda state: {prefix + key: value for key, value in state.items()}
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        pytest.param(lambda state: state, id="state_dict"),
+        pytest.param(lambda state: {"state_dict": state, "epoch": 3}, id="state_dict key"),
+        pytest.param(lambda state: {"model": state, "optimizer": {}, "epoch": 3}, id="model key"),
+        pytest.param(lambda state: {"model_state_dict": state, "optimizer_state_dict": {}}, id="model_state_dict key"),
+        pytest.param(prefixed("module."), id="DataParallel"),
+        pytest.param(prefixed("_orig_mod."), id="torch.compile"),
+        pytest.param(lambda state: {"state_dict": prefixed("model.")(state)}, id="Lightning"),
+        pytest.param(lambda state: {"model": prefixed("_orig_mod.module.")(state)}, id="compiled DDP in a checkpoint"),
+    ],
+)
+def test_common_checkpoints_load_the_same_weights(
+    tmp_path: Path, trained: torch.nn.Module, wrap: Callable[[dict], object]
+) -> None:
+    weights = tmp_path / "mine.pt"
+    torch.save(wrap(trained.state_dict()), weights)
+    loaded = load_source(load_recipe(own_recipe(tmp_path, weights)))
+    image = torch.rand(1, 3, 64, 64)
+    with torch.inference_mode():
+        assert torch.equal(loaded.module(image), trained(image))
+
+
+def test_a_whole_pickled_model_is_refused_with_what_to_save(tmp_path: Path, trained: torch.nn.Module) -> None:
+    weights = tmp_path / "mine.pt"
+    torch.save(trained, weights)
+    refusal = r"mine\.yaml: source\.weights: .*torch\.save\(model\.state_dict\(\)"
+    with pytest.raises(RecipeError, match=refusal) as error:
+        load_source(load_recipe(own_recipe(tmp_path, weights)))
+    assert "\n" not in str(error.value)
+
+
+def test_a_wrong_num_classes_is_named_in_one_line(tmp_path: Path, trained: torch.nn.Module) -> None:
+    weights = tmp_path / "mine.pt"
+    torch.save(trained.state_dict(), weights)
+    with pytest.raises(RecipeError) as error:
+        load_source(load_recipe(own_recipe(tmp_path, weights, num_classes=1000)))
+    message = str(error.value)
+    assert "source.weights" in message and "\n" not in message
+    assert "source.num_classes is 1000, the checkpoint has 3 classes" in message
+
+
+def test_another_architectures_weights_are_summarized(tmp_path: Path, trained: torch.nn.Module) -> None:
+    weights = tmp_path / "mine.pt"
+    torch.save(trained.state_dict(), weights)
+    with pytest.raises(RecipeError, match=r"source\.architecture resnet34: missing .* and \d+ more$") as error:
+        load_source(load_recipe(own_recipe(tmp_path, weights, architecture="resnet34")))
+    assert "\n" not in str(error.value)
+
+
+def test_a_checkpoint_without_weights_names_its_keys(tmp_path: Path) -> None:
+    weights = tmp_path / "mine.pt"
+    torch.save({"epoch": 3, "best_acc": 0.9}, weights)
+    with pytest.raises(RecipeError, match=r"source\.weights: .*no state_dict of tensors \(keys: epoch, best_acc\)"):
+        load_source(load_recipe(own_recipe(tmp_path, weights)))
