@@ -27,6 +27,7 @@ from pipeline.datasets import Split
 
 Predict = Callable[[list], np.ndarray]
 Z_95 = 1.6449  # one-sided 95 %
+TOP_K = 5  # top5_agreement, top5_overlap
 
 
 class SliceFigures(BaseModel):
@@ -117,15 +118,17 @@ def classification_figures(
     reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray | None, groups: Sequence | None = None
 ) -> SliceFigures:
     figures = _Figures(len(reference), groups)
+    # "Top 5" of a model with fewer classes is all of them: overlap is over what there is to keep.
+    k = min(TOP_K, reference.shape[-1])
     reference_top1 = reference.argmax(-1)
-    reference_top5 = np.argsort(-reference, axis=-1)[:, :5]
-    candidate_top5 = np.argsort(-candidate, axis=-1)[:, :5]
+    reference_top5 = np.argsort(-reference, axis=-1)[:, :k]
+    candidate_top5 = np.argsort(-candidate, axis=-1)[:, :k]
     everyone = np.ones(len(reference), dtype=bool)
     figures.paired("top1_agreement", candidate.argmax(-1) == reference_top1, everyone)
     # The reference's answer is still among the candidate's five best.
     figures.paired("top5_agreement", (candidate_top5 == reference_top1[:, None]).any(-1), everyone)
     # How much of the reference's top five the candidate keeps: moves before top-1 does.
-    overlap = np.array([len(set(a) & set(b)) / 5 for a, b in zip(candidate_top5, reference_top5, strict=True)])
+    overlap = np.array([len(set(a) & set(b)) / k for a, b in zip(candidate_top5, reference_top5, strict=True)])
     figures.mean("top5_overlap", overlap)
     # KL(reference ‖ candidate) in nats: how far the whole distribution moved, top-1 or not.
     p, q = np.clip(reference, 1e-12, None), np.clip(candidate, 1e-12, None)

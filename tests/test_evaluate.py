@@ -81,6 +81,17 @@ def test_top5_overlap_moves_before_top1_does() -> None:
     assert figures.metrics["top1_agreement"] == 1.0 and figures.metrics["top5_overlap"] == pytest.approx(0.8)
 
 
+@pytest.mark.parametrize("classes", [2, 3, 5])
+def test_a_model_of_five_classes_or_fewer_keeps_its_own_top5(classes: int) -> None:
+    """Its top five are all its classes: the reference against itself overlaps fully, drops nothing."""
+    reference = np.random.default_rng(0).dirichlet(np.ones(classes), size=64)
+    figures = IMAGES.judge(reference, reference.copy(), None)
+    assert figures.metrics["top5_overlap"] == figures.metrics["top5_agreement"] == 1.0
+    assert figures.drops["top5_overlap"] == pytest.approx(0.0) and figures.drops["top5_agreement"] == 0.0
+    budget = Budget(max_drop={"top1_agreement": 0.1, "top5_overlap": 0.01})
+    assert not budget_failures(budget, {"held-out": figures})
+
+
 def test_kl_divergence_is_zero_for_the_reference_and_grows_as_probabilities_move() -> None:
     reference = np.tile([0.7, 0.2, 0.1], (100, 1))
     same = IMAGES.judge(reference, reference, None)
