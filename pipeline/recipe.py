@@ -80,6 +80,20 @@ class ImagePreprocess(Strict):
             raise ValueError(f"resize ({self.resize}) must be at least size ({self.size})")
         return self
 
+    @model_validator(mode="after")
+    def _on_the_0_255_scale(self) -> ImagePreprocess:
+        """torchvision's [0.485, 0.456, 0.406] / [0.229, 0.224, 0.225] are on the 0-1 scale; copied here
+        they would export, pass every check (PyTorch sees the same inputs) and serve wrong answers."""
+        if min(self.std) <= 0:
+            raise ValueError(f"std: {list(self.std)}: every channel's must be above 0")
+        if max(self.std) < 1 or (min(self.mean) > 0 and max(self.mean) <= 1):
+            mean, std = ([round(value * 255, 3) for value in values] for values in (self.mean, self.std))
+            raise ValueError(
+                f"mean {list(self.mean)}, std {list(self.std)} look like the 0-1 scale; pixels here are 0-255 "
+                f"(× 255: mean {mean}, std {std})"
+            )
+        return self
+
 
 class TextPreprocess(Strict):
     max_length: int = Field(gt=2, le=8192, description="tokens per text, special tokens included")

@@ -135,12 +135,32 @@ def test_default_recipes_load_and_resolve_packaged_files(name: str) -> None:
             r"labels: .* is not a file",
             id="a folder for a file (a traceback after the export)",
         ),
+        pytest.param(
+            "image-classifier",
+            {"image__mean": [0.485, 0.456, 0.406], "image__std": [0.229, 0.224, 0.225]},
+            r"image: mean \[0\.485, .* look like the 0-1 scale; .*mean \[123\.675, 116\.28, 103\.53\]",
+            id="torchvision's mean and std on the 0-1 scale (served wrong answers)",
+        ),
+        pytest.param(
+            "image-classifier",
+            {"image__mean": [0.5, 0.5, 0.5], "image__std": [58.4, 57.1, 57.4]},
+            r"image: .* look like the 0-1 scale",
+            id="a mean on the 0-1 scale",
+        ),
+        pytest.param("image-classifier", {"image__std": [58.4, 0.0, 57.4]}, r"image: std: .* above 0", id="a std of 0"),
     ],
 )
 def test_a_mistake_is_one_line_naming_the_field(tmp_path: Path, base: str, changes: dict, message: str) -> None:
     with pytest.raises(RecipeError, match=message) as error:
         load_recipe(write_recipe(tmp_path, base, **changes))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("mean", "std"), [([0.0, 0.0, 0.0], [255.0, 255.0, 255.0]), ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])]
+)
+def test_pixels_scaled_to_0_1_or_left_raw_are_no_mistake(tmp_path: Path, mean: list, std: list) -> None:
+    assert load_recipe(write_recipe(tmp_path, "image-classifier", image__mean=mean, image__std=std))
 
 
 def test_not_a_mapping(tmp_path: Path) -> None:
