@@ -56,11 +56,31 @@ def load_class_names(loaded: LoadedRecipe, num_classes: int | None) -> list[str]
         from torchvision.models._meta import _IMAGENET_CATEGORIES
 
         names = list(_IMAGENET_CATEGORIES)
+        blank = []
     else:
-        names = [line.strip() for line in loaded.files["labels"].read_text().splitlines() if line.strip()]
+        lines = read_labels(loaded)
+        names = [line.strip() for line in lines if line.strip()]
+        # Blank lines between labels, where a class without a name would shift every label after it.
+        last = max((number for number, line in enumerate(lines, 1) if line.strip()), default=0)
+        blank = [number for number, line in enumerate(lines[:last], 1) if not line.strip()]
     if num_classes is not None and len(names) != num_classes:
-        raise RecipeError(f"{loaded.path}: labels: {len(names)} labels but source.num_classes is {num_classes}")
+        skipped = f" (blank lines skipped: {', '.join(map(str, blank[:5]))})" if blank else ""
+        raise RecipeError(
+            f"{loaded.path}: labels: {len(names)} labels{skipped} but source.num_classes is {num_classes}"
+        )
     return names
+
+
+def read_labels(loaded: LoadedRecipe) -> list[str]:
+    """The labels file's lines, as UTF-8 whatever the locale; a byte-order mark (Windows editors write
+    one) would otherwise become part of the first label the service answers."""
+    path = loaded.files["labels"]
+    try:
+        return path.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as exc:
+        raise RecipeError(
+            f"{loaded.path}: labels: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
 
 
 # Where training scripts keep the weights in a checkpoint: Lightning and timm's `state_dict`,

@@ -10,8 +10,8 @@ import torch
 import torchvision
 import yaml
 
-from pipeline.recipe import RecipeError, load_recipe
-from pipeline.sources import load_source
+from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
+from pipeline.sources import load_class_names, load_source
 
 ARCHITECTURE = "resnet18"
 CLASSES = 3
@@ -102,3 +102,29 @@ def test_a_checkpoint_without_weights_names_its_keys(tmp_path: Path) -> None:
     torch.save({"epoch": 3, "best_acc": 0.9}, weights)
     with pytest.raises(RecipeError, match=r"source\.weights: .*no state_dict of tensors \(keys: epoch, best_acc\)"):
         load_source(load_recipe(own_recipe(tmp_path, weights)))
+
+
+def labels_recipe(tmp_path: Path) -> LoadedRecipe:
+    """A recipe whose labels file the test then writes; its weights are never read."""
+    (tmp_path / "mine.pt").touch()
+    return load_recipe(own_recipe(tmp_path, tmp_path / "mine.pt"))
+
+
+def test_labels_from_a_windows_editor_have_no_byte_order_mark(tmp_path: Path) -> None:
+    recipe = labels_recipe(tmp_path)
+    (tmp_path / "labels.txt").write_bytes("\ufeffchat\r\nchien\r\néléphant\r\n".encode())
+    assert load_class_names(recipe, CLASSES) == ["chat", "chien", "éléphant"]
+
+
+def test_labels_that_are_not_utf8_name_the_field(tmp_path: Path) -> None:
+    recipe = labels_recipe(tmp_path)
+    (tmp_path / "labels.txt").write_bytes("chat\nchien\néléphant\n".encode("latin-1"))
+    with pytest.raises(RecipeError, match=r"mine\.yaml: labels: .*labels\.txt is not UTF-8 text"):
+        load_class_names(recipe, CLASSES)
+
+
+def test_a_blank_line_between_labels_is_named_when_the_count_is_off(tmp_path: Path) -> None:
+    recipe = labels_recipe(tmp_path)
+    (tmp_path / "labels.txt").write_text("cat\n\ndog\n\n")
+    with pytest.raises(RecipeError, match=r"labels: 2 labels \(blank lines skipped: 2\) but source\.num_classes is 3"):
+        load_class_names(recipe, CLASSES)
