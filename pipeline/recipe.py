@@ -159,6 +159,10 @@ VariantName = Literal[
     "cascade",  # pipeline/cascade.py: a student, with the teacher for what it is unsure of; classifiers only
 ]
 
+# Image variants that train a student: they need labelled training images (and the cascade a split
+# of its own to set its threshold on), which only the train-digits source brings.
+LABELLED_TRAINING = frozenset({"student", "student-int8", "cascade"})
+
 
 class Budget(Strict):
     max_drop: dict[str, float] = Field(description="metric → largest drop from the FP32 model's own score")
@@ -264,6 +268,14 @@ class ImageClassificationRecipe(RecipeBase):
     def _images_need(self) -> ImageClassificationRecipe:
         if self.labels is None and self.source.kind != "train-digits":
             raise ValueError(f"task {self.task} needs the field 'labels'")
+        needs_training = [variant for variant in self.variants if variant in LABELLED_TRAINING]
+        if needs_training and self.source.kind != "train-digits":
+            # Found at load, not as a "rejected" trial after the export and the FP32 evaluation.
+            raise ValueError(
+                f"variants: {', '.join(needs_training)}: a classifier's student learns from labelled training "
+                f"images, which only a train-digits source has (a {self.source.kind} source is judged on "
+                "unlabelled photos); leave them out"
+            )
         if self.budget and "accuracy" in self.budget.max_drop and self.source.kind != "train-digits":
             raise ValueError(
                 f"budget.max_drop.accuracy: the evaluation photos of a {self.source.kind} source have no labels "
