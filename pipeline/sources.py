@@ -190,7 +190,23 @@ def _torchvision(loaded: LoadedRecipe) -> SourceModel:
         )
     module = torchvision.models.get_model(source.architecture, weights=None, num_classes=source.num_classes)
     _load_state_dict(loaded, module)
+    _check_image_size(loaded, module)
     return SourceModel(module=module)
+
+
+def _check_image_size(loaded: LoadedRecipe, module: torch.nn.Module) -> None:
+    """One image of `image.size` through the network: a ViT built for 224 pixels, or an image too
+    small for an architecture's kernels, fails here in a line, not in a traceback from the export."""
+    size = loaded.recipe.image.size
+    module.eval()
+    try:
+        with torch.inference_mode():
+            module(torch.zeros(1, 3, size, size))
+    except (AssertionError, RuntimeError, ValueError) as exc:
+        raise RecipeError(
+            f"{loaded.path}: image.size: {loaded.recipe.source.architecture} does not take {size}×{size} "
+            f"images: {str(exc).splitlines()[0]}"
+        ) from None
 
 
 @loader(HuggingFaceSource)

@@ -17,7 +17,7 @@ ARCHITECTURE = "resnet18"
 CLASSES = 3
 
 
-def own_recipe(tmp_path: Path, weights: Path, **source: object) -> Path:
+def own_recipe(tmp_path: Path, weights: Path, size: int = 224, **source: object) -> Path:
     """A user's torchvision classifier: their weights, their labels."""
     (tmp_path / "labels.txt").write_text("cat\ndog\nbird\n")
     recipe = {
@@ -27,7 +27,7 @@ def own_recipe(tmp_path: Path, weights: Path, **source: object) -> Path:
         | {"num_classes": CLASSES}
         | source,
         "labels": "labels.txt",
-        "image": {"size": 224, "resize": 256, "mean": [123.7, 116.3, 103.5], "std": [58.4, 57.1, 57.4]},
+        "image": {"size": size, "resize": size, "mean": [123.7, 116.3, 103.5], "std": [58.4, 57.1, 57.4]},
         "export": {"tolerance": {"max_abs_diff": 1.0e-4, "min_cosine": 0.9999}},
         "serving": {},
     }
@@ -128,3 +128,13 @@ def test_a_blank_line_between_labels_is_named_when_the_count_is_off(tmp_path: Pa
     (tmp_path / "labels.txt").write_text("cat\n\ndog\n\n")
     with pytest.raises(RecipeError, match=r"labels: 2 labels \(blank lines skipped: 2\) but source\.num_classes is 3"):
         load_class_names(recipe, CLASSES)
+
+
+def test_an_image_size_the_architecture_cannot_take_is_refused_before_the_export(tmp_path: Path) -> None:
+    weights = tmp_path / "mine.pt"
+    torch.save(torchvision.models.get_model("squeezenet1_1", weights=None, num_classes=CLASSES).state_dict(), weights)
+    recipe = own_recipe(tmp_path, weights, size=16, architecture="squeezenet1_1")
+    refusal = r"mine\.yaml: image\.size: squeezenet1_1 does not take 16×16 images: .*too small"
+    with pytest.raises(RecipeError, match=refusal) as error:
+        load_source(load_recipe(recipe))
+    assert "\n" not in str(error.value)
