@@ -39,13 +39,36 @@ class EfficientNetLiteSource(Strict):
     num_classes: int = 1000
 
 
+# Builders that, given ImageNet weights, turn on `transform_input` (re-normalizing ImageNet-normalized
+# pixels to (x - 0.5) / 0.5 inside the model): a network fine-tuned from those weights keeps it, one
+# trained from scratch does not, and the state_dict does not say which.
+TRANSFORMS_INPUT = frozenset({"inception_v3", "googlenet"})
+
+
 class TorchvisionSource(Strict):
     """Any torchvision classification architecture with your own state_dict."""
 
     kind: Literal["torchvision"]
     architecture: str = Field(description="a torchvision.models builder name, e.g. resnet18")
     weights: str
-    num_classes: int = 1000
+    num_classes: int = Field(default=1000, ge=1)
+    options: dict[str, bool | int | float | str] = Field(
+        default_factory=dict,
+        description="the builder's keyword arguments as training used them, e.g. {transform_input: true}",
+    )
+
+    def options_fault(self) -> str | None:
+        """Why `options` cannot build the network the weights were trained in, or None."""
+        for field in ("weights", "num_classes"):
+            if field in self.options:
+                return f"source.options.{field}: give source.{field} instead"
+        if self.architecture in TRANSFORMS_INPUT and "transform_input" not in self.options:
+            return (
+                f"source.options.transform_input: {self.architecture} fine-tuned from torchvision's ImageNet "
+                "weights has it true (the builder sets it), trained from scratch false, and the weights do not "
+                "say which: state it, as the wrong one answers wrongly"
+            )
+        return None
 
 
 class TrainDigitsSource(Strict):
@@ -268,6 +291,8 @@ class ImageClassificationRecipe(RecipeBase):
     def _images_need(self) -> ImageClassificationRecipe:
         if self.labels is None and self.source.kind != "train-digits":
             raise ValueError(f"task {self.task} needs the field 'labels'")
+        if isinstance(self.source, TorchvisionSource) and (unstated := self.source.options_fault()):
+            raise ValueError(unstated)
         needs_training = [variant for variant in self.variants if variant in LABELLED_TRAINING]
         if needs_training and self.source.kind != "train-digits":
             # Found at load, not as a "rejected" trial after the export and the FP32 evaluation.

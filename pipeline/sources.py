@@ -188,7 +188,12 @@ def _torchvision(loaded: LoadedRecipe) -> SourceModel:
             f"{loaded.path}: source.architecture: unknown torchvision classifier {source.architecture!r} "
             f"(known: {', '.join(sorted(known))})"
         )
-    module = torchvision.models.get_model(source.architecture, weights=None, num_classes=source.num_classes)
+    try:
+        module = torchvision.models.get_model(
+            source.architecture, weights=None, num_classes=source.num_classes, **source.options
+        )
+    except (TypeError, ValueError) as exc:  # an argument the builder does not take, or a wrong value
+        raise RecipeError(f"{loaded.path}: source.options: {source.architecture}: {exc}") from None
     _load_state_dict(loaded, module)
     _check_image_size(loaded, module)
     return SourceModel(module=module)

@@ -95,6 +95,12 @@ def test_default_recipes_load_and_resolve_packaged_files(name: str) -> None:
         ),
         pytest.param(
             "image-classifier",
+            {"source": {"kind": "torchvision", "architecture": "inception_v3", "weights": "x.pt", "num_classes": 3}},
+            r"image-classifier\.yaml: source\.options\.transform_input: inception_v3 fine-tuned from .* state it",
+            id="inception_v3 without transform_input (the wrong one answers wrongly)",
+        ),
+        pytest.param(
+            "image-classifier",
             {"serving__variant": "student"},
             r"serving\.variant: 'student' is not among the recipe's variants",
             id="serving a variant the recipe does not build",

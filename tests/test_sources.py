@@ -138,3 +138,24 @@ def test_an_image_size_the_architecture_cannot_take_is_refused_before_the_export
     with pytest.raises(RecipeError, match=refusal) as error:
         load_source(load_recipe(recipe))
     assert "\n" not in str(error.value)
+
+
+def test_builder_options_rebuild_the_network_as_it_was_fine_tuned(tmp_path: Path) -> None:
+    """googlenet fine-tuned from ImageNet weights: torchvision built it re-normalizing its input and
+    without auxiliary heads; rebuilt otherwise, its weights would load wrongly or not at all."""
+    options = {"transform_input": True, "aux_logits": False}
+    torch.manual_seed(0)
+    tuned = torchvision.models.get_model("googlenet", weights=None, num_classes=CLASSES, **options).eval()
+    weights = tmp_path / "mine.pt"
+    torch.save(tuned.state_dict(), weights)
+    loaded = load_source(load_recipe(own_recipe(tmp_path, weights, architecture="googlenet", options=options)))
+    image = torch.rand(1, 3, 64, 64)
+    with torch.inference_mode():
+        assert loaded.module.transform_input and torch.equal(loaded.module(image), tuned(image))
+
+
+def test_an_option_the_builder_does_not_take_names_the_field(tmp_path: Path, trained: torch.nn.Module) -> None:
+    weights = tmp_path / "mine.pt"
+    torch.save(trained.state_dict(), weights)
+    with pytest.raises(RecipeError, match=r"mine\.yaml: source\.options: resnet18: .*'drop_rate'"):
+        load_source(load_recipe(own_recipe(tmp_path, weights, options={"drop_rate": 0.2})))
