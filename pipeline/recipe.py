@@ -51,7 +51,7 @@ class TorchvisionSource(Strict):
     kind: Literal["torchvision"]
     architecture: str = Field(description="a torchvision.models builder name, e.g. resnet18")
     weights: str
-    num_classes: int = Field(default=1000, ge=1)
+    num_classes: int = Field(default=1000, ge=1, description="at least 2: answers are a softmax")
     options: dict[str, bool | int | float | str] = Field(
         default_factory=dict,
         description="the builder's keyword arguments as training used them, e.g. {transform_input: true}",
@@ -291,8 +291,13 @@ class ImageClassificationRecipe(RecipeBase):
     def _images_need(self) -> ImageClassificationRecipe:
         if self.labels is None and self.source.kind != "train-digits":
             raise ValueError(f"task {self.task} needs the field 'labels'")
-        if isinstance(self.source, TorchvisionSource) and (unstated := self.source.options_fault()):
-            raise ValueError(unstated)
+        if isinstance(self.source, TorchvisionSource) and (fault := self.source.options_fault()):
+            raise ValueError(fault)
+        if getattr(self.source, "num_classes", 2) < 2:
+            raise ValueError(
+                "source.num_classes: 1 output is a sigmoid classifier, which the softmax this serves makes "
+                "always 1.0; give it two outputs (and two labels)"
+            )
         needs_training = [variant for variant in self.variants if variant in LABELLED_TRAINING]
         if needs_training and self.source.kind != "train-digits":
             # Found at load, not as a "rejected" trial after the export and the FP32 evaluation.

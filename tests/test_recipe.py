@@ -101,6 +101,12 @@ def test_default_recipes_load_and_resolve_packaged_files(name: str) -> None:
         ),
         pytest.param(
             "image-classifier",
+            {"source__num_classes": 1},
+            r"image-classifier\.yaml: source\.num_classes: 1 output is a sigmoid classifier",
+            id="one output (always 1.0 through the softmax)",
+        ),
+        pytest.param(
+            "image-classifier",
             {"serving__variant": "student"},
             r"serving\.variant: 'student' is not among the recipe's variants",
             id="serving a variant the recipe does not build",
