@@ -143,14 +143,20 @@ def _load_state_dict(loaded: LoadedRecipe, module: torch.nn.Module) -> None:
     path = loaded.files["source.weights"]
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as exc:
+        if "Unsupported global" not in str(exc):  # bytes that are no pickle at all
+            raise RecipeError(f"{loaded.path}: source.weights: {path} is no torch.save or safetensors file") from None
         # weights_only refuses code: a whole pickled model (torch.save(model)) would run whatever it holds.
         raise RecipeError(
             f"{loaded.path}: source.weights: {path} holds pickled Python objects, e.g. a whole model saved with "
             "torch.save(model); save its weights instead: torch.save(model.state_dict(), path)"
         ) from None
-    except Exception as exc:  # torch raises several unrelated types for a bad file
-        raise RecipeError(f"{loaded.path}: source.weights: cannot read {path} as a state_dict: {exc}") from exc
+    except Exception as exc:  # torch raises several unrelated types for a bad file (a KeyError: 101 for text)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise RecipeError(
+            f"{loaded.path}: source.weights: {path} is no torch.save or safetensors file "
+            f"({type(exc).__name__}: {first})"
+        ) from None
     state = unwrap_checkpoint(state, module.state_dict().keys())
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         keys = f" (keys: {_named([str(k) for k in state])})" if isinstance(state, dict) else ""

@@ -159,3 +159,25 @@ def test_an_option_the_builder_does_not_take_names_the_field(tmp_path: Path, tra
     torch.save(trained.state_dict(), weights)
     with pytest.raises(RecipeError, match=r"mine\.yaml: source\.options: resnet18: .*'drop_rate'"):
         load_source(load_recipe(own_recipe(tmp_path, weights, options={"drop_rate": 0.2})))
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint at all", b"PK\x03\x04truncated zip"])
+def test_a_file_torch_cannot_read_is_named_in_one_line(tmp_path: Path, content: bytes) -> None:
+    weights = tmp_path / "mine.pt"
+    weights.write_bytes(content)
+    with pytest.raises(
+        RecipeError, match=r"source\.weights: .*mine\.pt is no torch\.save or safetensors file"
+    ) as error:
+        load_source(load_recipe(own_recipe(tmp_path, weights)))
+    assert "\n" not in str(error.value)
+
+
+def test_safetensors_weights_load(tmp_path: Path, trained: torch.nn.Module) -> None:
+    from safetensors.torch import save_file
+
+    weights = tmp_path / "mine.safetensors"
+    save_file(trained.state_dict(), weights)
+    loaded = load_source(load_recipe(own_recipe(tmp_path, weights)))
+    image = torch.rand(1, 3, 64, 64)
+    with torch.inference_mode():
+        assert torch.equal(loaded.module(image), trained(image))
