@@ -108,7 +108,17 @@ def unwrap_checkpoint(state: object, own_keys: Collection[str]) -> object:
             if theirs and not all(key.startswith(prefix) for key in own_keys):
                 state = {key[len(prefix) :]: value for key, value in state.items()}
                 stripped = True
-    return state
+    return _without_attribute_prefix(state, own_keys)
+
+
+def _without_attribute_prefix(state: object, own_keys: Collection[str]) -> object:
+    """A network kept under another attribute of a training module (`self.net`, `self.backbone`):
+    one first part shared by every key, stripped only where what remains is exactly the network's keys."""
+    if not isinstance(state, dict) or not state or not all(isinstance(key, str) and "." in key for key in state):
+        return state
+    firsts = {key.split(".", 1)[0] for key in state}
+    inner = {key.split(".", 1)[1]: value for key, value in state.items()}
+    return inner if len(firsts) == 1 and inner.keys() == set(own_keys) else state
 
 
 def _named(keys: list[str]) -> str:

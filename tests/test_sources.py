@@ -57,6 +57,7 @@ def prefixed(prefix: str) -> Callable[[dict], dict]:
         pytest.param(prefixed("_orig_mod."), id="torch.compile"),
         pytest.param(lambda state: {"state_dict": prefixed("model.")(state)}, id="Lightning"),
         pytest.param(lambda state: {"model": prefixed("_orig_mod.module.")(state)}, id="compiled DDP in a checkpoint"),
+        pytest.param(lambda state: {"state_dict": prefixed("backbone.")(state)}, id="a training module's attribute"),
     ],
 )
 def test_common_checkpoints_load_the_same_weights(
