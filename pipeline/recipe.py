@@ -238,7 +238,7 @@ class RecipeBase(Strict):
     budget: Budget | None = None
     student: Student = Student()
     profiling: Profiling = Profiling()
-    serving: Serving
+    serving: Serving = Serving()  # absent: served at /models/<name>/ only, as profiled
 
     @model_validator(mode="after")
     def _budget_fits(self) -> RecipeBase:

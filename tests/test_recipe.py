@@ -181,6 +181,11 @@ def test_pixels_scaled_to_0_1_or_left_raw_are_no_mistake(tmp_path: Path, mean: l
     assert load_recipe(write_recipe(tmp_path, "image-classifier", image__mean=mean, image__std=std))
 
 
+def test_a_recipe_without_serving_is_served_at_its_own_path(tmp_path: Path) -> None:
+    loaded = load_recipe(write_recipe(tmp_path, "image-classifier", serving=DELETE))
+    assert loaded.recipe.serving.endpoint is None and loaded.recipe.serving.max_batch_size is None
+
+
 def test_not_a_mapping(tmp_path: Path) -> None:
     path = tmp_path / "list.yaml"
     path.write_text("- a\n- b\n")
