@@ -67,8 +67,9 @@ def json_router_errors(scope: Scope, send: Send) -> Send:
         if replaced is None:
             await send(message)
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            allow = replaced.get(ALLOW_KEY)
-            answer = not_found(scope) if allow is None else method_not_allowed(scope, allow.decode("latin-1"))
+            allow = replaced.get(ALLOW_KEY)  # Starlette's, from a set: its order changes between processes
+            methods = None if allow is None else ", ".join(sorted(allow.decode("latin-1").split(", ")))
+            answer = not_found(scope) if methods is None else method_not_allowed(scope, methods)
             await send({"type": "http.response.start", "status": answer.status_code, "headers": answer.raw_headers})
             await send({"type": "http.response.body", "body": answer.body})
 
