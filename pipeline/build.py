@@ -54,6 +54,7 @@ from serving.monitoring import MONITORING_KEY
 EXPORT_REVISION = "6"
 Step = Callable[[str], None]
 BUILD_STEPS = "build_steps"  # the selected variant's metadata: the steps of the build that made it
+JUDGED_ON = "judged_on"  # every variant's metadata: which data calibrated and judged it
 EAGER = "pytorch-eager"
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class BuildResult:
     reused: bool
     steps: list[StepTime] = field(default_factory=list)  # the build's, in order, also when reused
     load: OtherLoad | None = None  # other work on the machine while the variants were profiled
+    judged_on: str = ""  # which data calibrated and judged the variants (TaskData.judged_on)
 
     def route(self, loaded: LoadedRecipe) -> Route:
         serving = loaded.recipe.serving
@@ -254,6 +256,7 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             "source": recipe.source.model_dump(mode="json"),
             "export_check": check.as_metadata(),
             "versions": {"torch": str(torch.__version__), "onnx": onnx.__version__},
+            JUDGED_ON: data.judged_on,
             MONITORING_KEY: task.monitoring_reference(
                 HELD_OUT, data.evaluation[HELD_OUT], reference[HELD_OUT]
             ).model_dump(mode="json", exclude_none=True),
@@ -281,7 +284,16 @@ def build(loaded: LoadedRecipe, *, step: Step = lambda _: None, force: bool = Fa
             for c in candidates
             if c.accepted
         }
-    return BuildResult(stored[chosen.variant], batching, candidates, eager, reused=False, steps=steps, load=load)
+    return BuildResult(
+        stored[chosen.variant],
+        batching,
+        candidates,
+        eager,
+        reused=False,
+        steps=steps,
+        load=load,
+        judged_on=data.judged_on,
+    )
 
 
 def tune_variants(
@@ -469,4 +481,5 @@ def reuse(name: str, content_hash: str) -> BuildResult | None:
         reused=True,
         steps=[StepTime(**step) for step in metadata.get(BUILD_STEPS, [])],
         load=OtherLoad.model_validate(metadata[PROFILE_LOAD]) if PROFILE_LOAD in metadata else None,
+        judged_on=metadata.get(JUDGED_ON, ""),
     )

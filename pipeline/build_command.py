@@ -14,6 +14,7 @@ from rich.table import Table
 
 from pipeline.build import StepTime, build
 from pipeline.export_check import ExportCheckError
+from pipeline.own_data import check_data
 from pipeline.profile import Batching
 from pipeline.quiet import third_party_quiet
 from pipeline.recipe import LoadedRecipe, RecipeError, load_recipe
@@ -39,7 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def load_all(paths: list[Path]) -> list[LoadedRecipe]:
-    """Validate every recipe before any slow work, so a typo in the last one fails in a second."""
+    """Validate every recipe, and the data it names, before any slow work, so a typo in the last
+    one fails in a second."""
     loaded = [load_recipe(path) for path in paths]
     seen: dict[str, Path] = {}
     names: dict[str, Path] = {}
@@ -54,6 +56,8 @@ def load_all(paths: list[Path]) -> list[LoadedRecipe]:
             raise RecipeError(f"{item.path}: name: {item.name!r} is a default endpoint's; name the model otherwise")
         if endpoint is not None:
             seen[endpoint] = item.path
+    for item in loaded:  # last: decoding every image of a data folder takes a while
+        check_data(item)
     return loaded
 
 

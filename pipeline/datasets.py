@@ -7,16 +7,20 @@ random crops, scales, flips, colour changes and JPEG re-compression of the evalu
 (at least 512 inputs), the perturbed slice shifts, rotates, blurs and adds noise to them (as many).
 Texts are split by position in the `pydoc_data` corpus: every eighth sentence for evaluation,
 another eighth for calibration, a third eighth for profiling (real sentence lengths, unless the
-recipe names a file of real requests), the rest for distillation. Digits use a fixed stratified
+recipe names a file of real requests), the rest for distillation. A recipe's own data (`data:`)
+takes the place of the photos or the corpus: its images are split by file (a quarter calibrate),
+its texts by line as the corpus is. Digits use a fixed stratified
 75/25 train/test split; calibration draws from train only; the perturbed slice is the held-out
 digits shifted by a pixel or slightly rotated, four copies of each.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -24,7 +28,8 @@ from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from sample_inputs import corpus_sentences, digit_images, sample_photos
 from serving.classify import ImageUpload, prepare_sized_image
-from serving.images import decode_image
+from serving.errors import RequestError
+from serving.images import decode_image, decode_sized
 from serving.model_spec import ImageInput
 
 CALIBRATION_PHOTOS = ("astronaut", "camera", "china")
@@ -32,7 +37,16 @@ CALIBRATION_PHOTOS = ("astronaut", "camera", "china")
 # fewer views each is the better evidence: the views of one scene stand or fall together.
 VIEWS_PER_SLICE = {"calibration": 96, "held-out": 512, "perturbed": 512}
 PhotoSlice = Literal["calibration", "held-out", "perturbed"]
-PERTURBED_DIGIT_COPIES = 4  # 1 800 moved digits: a 1-point budget needs that many to be shown
+PERTURBED_DIGIT_COPIES = 4
+# A recipe's own images (`data.images`): a quarter of the files calibrate, the rest are judged; at
+# least as many judged as the built-in photos have scenes (6): the gate's bound over files takes
+# Student's t at files - 1 degrees of freedom, 2.0 at 6 files but 6.3 at 2, too wide for any budget.
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+CALIBRATION_SHARE = 4
+MIN_IMAGES = 8
+# A recipe's own texts (`data.texts`): every eighth judged, so 12 judged texts at least, as the ten
+# nearest neighbours of `knn10_agreement` need 11; as many for calibration and for profiling.
+MIN_TEXTS = 96  # 1 800 moved digits: a 1-point budget needs that many to be shown
 
 
 @dataclass(frozen=True)
@@ -90,31 +104,127 @@ def perturbed_view(image: Image.Image, rng: np.random.Generator) -> bytes:
 
 
 def photo_split(spec: ImageInput, part: PhotoSlice) -> Split:
-    """Seeded random views of the part's photos, decoded and resized through the request path."""
-    rng = np.random.default_rng(list(VIEWS_PER_SLICE).index(part))
-    view = perturbed_view if part == "perturbed" else random_view
+    """Seeded random views of the part's sample photos, decoded and resized through the request path."""
     photos = {
         name: data for name, data in sample_photos().items() if (name in CALIBRATION_PHOTOS) == (part == "calibration")
     }
-    views_per_photo = -(-VIEWS_PER_SLICE[part] // len(photos))
+    return views_split(list(photos), lambda name: decode_image(photos[name]), spec, part)
+
+
+def views_split(
+    sources: Sequence[str],
+    open_image: Callable[[str], Image.Image],
+    spec: ImageInput,
+    part: PhotoSlice,
+    labels: Mapping[str, int] | None = None,
+) -> Split:
+    """The part's views of each source image (at least one each, VIEWS_PER_SLICE in all), in
+    source order, each grouped by its source and labelled with its source's class where known."""
+    rng = np.random.default_rng(list(VIEWS_PER_SLICE).index(part))
+    view = perturbed_view if part == "perturbed" else random_view
+    views_per_image = -(-VIEWS_PER_SLICE[part] // len(sources))
     prepared = []
-    for name, data in photos.items():
-        image = decode_image(data)
-        for index in range(views_per_photo):
+    for name in sources:
+        image = open_image(name)
+        for index in range(views_per_image):
             prepared.append(prepare_sized_image(ImageUpload(view(image, rng), None, f"{name}:{index}"), spec))
+    groups = [name for name in sources for _ in range(views_per_image)]
     return Split(
         [pixels for pixels, _ in prepared],
+        labels=None if labels is None else np.array([labels[name] for name in groups]),
         sizes=[size for _, size in prepared],
-        groups=[name for name in photos for _ in range(views_per_photo)],
+        groups=groups,
     )
+
+
+class DataError(ValueError):
+    """What is wrong with a recipe's own data (`data:`); the recipe loader names the file and field."""
+
+
+@dataclass(frozen=True)
+class ImageFolder:
+    """A recipe's own images: each file's path relative to the folder, in name order, and each
+    one's class index where the folder is laid out as class subfolders named after the labels."""
+
+    root: Path
+    names: tuple[str, ...]
+    labels: dict[str, int] | None
+
+    def part(self, part: PhotoSlice) -> list[str]:
+        """The files of a part: calibration's are never evaluated."""
+        calibration = set(calibration_files(self.names))
+        return [name for name in self.names if (name in calibration) == (part == "calibration")]
+
+    def open(self, name: str, spec: ImageInput) -> Image.Image:
+        """Decoded as the service decodes an upload, at a reduced scale where a JPEG is much larger than
+        the model needs (the views are made from that)."""
+        path = self.root / name
+        return decode_sized(path.read_bytes(), min_side=spec.resize, name=str(path)).image
+
+    def split(self, spec: ImageInput, part: PhotoSlice) -> Split:
+        return views_split(self.part(part), lambda name: self.open(name, spec), spec, part, self.labels)
+
+
+def calibration_files(names: Sequence[str]) -> list[str]:
+    """The files calibration takes: a quarter (at least one, at most as many as it has views), those
+    whose path hashes lowest, so the split depends on no listing order and a file added moves at
+    most one other between calibration and evaluation."""
+    count = min(max(1, len(names) // CALIBRATION_SHARE), VIEWS_PER_SLICE["calibration"])
+    return sorted(names, key=lambda name: hashlib.sha256(name.encode()).hexdigest())[:count]
+
+
+def image_folder(root: Path, class_names: Sequence[str]) -> ImageFolder:
+    """The images under `root` (searched recursively, by suffix), labelled where each lies in a
+    first-level subfolder named after a label (torchvision's ImageFolder layout); a layout that is
+    half that is refused rather than silently left unlabelled."""
+    names = tuple(
+        sorted(
+            path.relative_to(root).as_posix()
+            for path in root.rglob("*")
+            if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+        )
+    )
+    if len(names) < MIN_IMAGES:
+        raise DataError(
+            f"{len(names)} images ({', '.join(IMAGE_SUFFIXES)}) in {root}: at least {MIN_IMAGES} are needed, "
+            f"{MIN_IMAGES // CALIBRATION_SHARE} to calibrate on and {MIN_IMAGES - MIN_IMAGES // CALIBRATION_SHARE} "
+            "to judge on"
+        )
+    folders = {name.split("/")[0] if "/" in name else "" for name in names}
+    labelled, other = sorted(folders & set(class_names)), sorted(folders - set(class_names))
+    if not labelled:
+        return ImageFolder(root, names, None)
+    if other:
+        others = ", ".join(folder or "(images at its top)" for folder in other[:3])
+        raise DataError(
+            f"{root}: subfolders {', '.join(labelled[:3])} are labels but {others} are not: "
+            "lay it out as one subfolder per label (ImageFolder), or with none named after one"
+        )
+    index = {label: i for i, label in reversed(list(enumerate(class_names)))}
+    return ImageFolder(root, names, {name: index[name.split("/")[0]] for name in names})
+
+
+def check_images(folder: ImageFolder, spec: ImageInput) -> None:
+    """Every image decodes as the service would decode it (the message names the file), found
+    before any build starts."""
+    for name in folder.names:
+        try:
+            folder.open(name, spec)
+        except RequestError as exc:
+            raise DataError(str(exc)) from None
+        except OSError as exc:
+            raise DataError(f"{folder.root / name}: not readable ({exc.strerror})") from None
 
 
 TextPart = Literal["calibration", "evaluation", "profiling", "training"]
 DigitsPart = Literal["calibration", "held-out", "perturbed", "threshold", "training"]
 
 
-def text_split(encode_texts: Callable[[list[str]], list], part: TextPart) -> Split:
-    sentences = corpus_sentences()
+def text_split(
+    encode_texts: Callable[[list[str]], list], part: TextPart, sentences: Sequence[str] | None = None
+) -> Split:
+    """The part of `sentences` (default: the sample corpus) by position, as the module says."""
+    sentences = corpus_sentences() if sentences is None else sentences
     chosen = {
         "evaluation": sentences[1::8][:256],
         "calibration": sentences[0::8][:128],

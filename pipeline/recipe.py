@@ -18,6 +18,8 @@ from serving.model_spec import Task
 
 PACKAGE_PREFIX = "package:"
 REQUESTS_FIELD = "profiling.requests"
+IMAGES_FIELD = "data.images"
+TEXTS_FIELD = "data.texts"
 
 
 class RecipeError(ValueError):
@@ -222,6 +224,21 @@ class Profiling(Strict):
     )
 
 
+class ImageData(Strict):
+    """The user's own images, calibrated and judged on instead of the sample photos."""
+
+    images: str = Field(
+        description="a folder of images (jpg, png, webp, bmp), searched recursively; subfolders named "
+        "after the labels (ImageFolder layout) label them"
+    )
+
+
+class TextData(Strict):
+    """The user's own texts, calibrated, judged, profiled and distilled on instead of the sample corpus."""
+
+    texts: str = Field(description="a UTF-8 text file, one text per line")
+
+
 class RecipeBase(Strict):
     """What every task's recipe says; each task's recipe adds its own inputs and source kinds."""
 
@@ -286,6 +303,7 @@ class ImageClassificationRecipe(RecipeBase):
         default=None, description="'imagenet', or a text file with one label per line; train-digits: omit"
     )
     image: ImagePreprocess
+    data: ImageData | None = None
 
     @model_validator(mode="after")
     def _images_need(self) -> ImageClassificationRecipe:
@@ -306,10 +324,20 @@ class ImageClassificationRecipe(RecipeBase):
                 f"images, which only a train-digits source has (a {self.source.kind} source is judged on "
                 "unlabelled photos); leave them out"
             )
-        if self.budget and "accuracy" in self.budget.max_drop and self.source.kind != "train-digits":
+        if self.data is not None and self.source.kind == "train-digits":
+            raise ValueError(
+                "data: a train-digits source trains its teacher and is judged on scikit-learn's digits; leave data out"
+            )
+        if (
+            self.budget
+            and "accuracy" in self.budget.max_drop
+            and self.source.kind != "train-digits"
+            and self.data is None
+        ):
             raise ValueError(
                 f"budget.max_drop.accuracy: the evaluation photos of a {self.source.kind} source have no labels "
-                "to count it on (bound top1_agreement instead)"
+                f"to count it on (bound top1_agreement instead, or give {IMAGES_FIELD}: a folder of class "
+                "subfolders named after the labels)"
             )
         for field, value in (
             (REQUESTS_FIELD, self.profiling.requests),
@@ -321,7 +349,8 @@ class ImageClassificationRecipe(RecipeBase):
 
     def file_fields(self) -> dict[str, str]:
         labels = {"labels": self.labels} if self.labels and self.labels != "imagenet" else {}
-        return super().file_fields() | labels
+        data = {IMAGES_FIELD: self.data.images} if self.data else {}
+        return super().file_fields() | labels | data
 
 
 class TextEmbeddingRecipe(RecipeBase):
@@ -330,6 +359,10 @@ class TextEmbeddingRecipe(RecipeBase):
     task: Literal["text-embedding"]
     source: Annotated[HuggingFaceSource, Field(discriminator="kind")]
     text: TextPreprocess
+    data: TextData | None = None
+
+    def file_fields(self) -> dict[str, str]:
+        return super().file_fields() | ({TEXTS_FIELD: self.data.texts} if self.data else {})
 
 
 # One recipe class per task (`pipeline/tasks/` registers the behaviour under the same name).
@@ -337,7 +370,7 @@ Recipe = Annotated[ImageClassificationRecipe | TextEmbeddingRecipe, Field(discri
 RECIPE_ADAPTER: TypeAdapter[Recipe] = TypeAdapter(Recipe)
 
 
-FOLDER_FIELDS = frozenset({"source.path"})  # a Hugging Face model's folder; every other reference is a file
+FOLDER_FIELDS = frozenset({"source.path", IMAGES_FIELD})  # a Hugging Face model's folder, the user's images
 
 
 def resolve_path(reference: str, recipe_dir: Path) -> Path:
@@ -372,8 +405,10 @@ class LoadedRecipe(BaseModel):
         Its `serving` section is left out: it goes to the manifest's route, never into a stored
         model, so turning a cache on or moving an alias needs no rebuild; but for `serving.variant`,
         which the build selects, profiles in full and measures the memory of (unset, it adds
-        nothing, so that the builds of recipes without it are found again)."""
-        digest = hashlib.sha256(self.recipe.model_dump_json(exclude={"serving"}).encode())
+        nothing, so that the builds of recipes without it are found again); `data` likewise counts
+        only where given (its files do, through `files`)."""
+        unset = {"data"} if self.recipe.data is None else set()
+        digest = hashlib.sha256(self.recipe.model_dump_json(exclude={"serving", *unset}).encode())
         if self.recipe.serving.variant is not None:
             digest.update(f"serving.variant={self.recipe.serving.variant}".encode())
         for field, path in sorted(self.files.items()):
@@ -397,14 +432,21 @@ def _format_error(path: Path, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def _check_requests(path: Path, requests: Path) -> None:
-    """Profiling needs at least one text: an empty file would fail only after the export."""
+def field_texts(loaded: LoadedRecipe, field: str) -> list[str]:
+    """The texts of a recipe's text file (`field`), one per line; unreadable is refused naming it."""
+    path = loaded.files[field]
     try:
-        texts = request_texts(requests)
+        return request_texts(path)
     except (OSError, UnicodeDecodeError):
-        raise RecipeError(f"{path}: {REQUESTS_FIELD}: not a readable UTF-8 text file: {requests}") from None
-    if not texts:
-        raise RecipeError(f"{path}: {REQUESTS_FIELD}: no texts in {requests} (one request per line)")
+        raise RecipeError(f"{loaded.path}: {field}: not a readable UTF-8 text file: {path}") from None
+
+
+def _check_requests(loaded: LoadedRecipe) -> None:
+    """Profiling needs at least one text: an empty file would fail only after the export."""
+    if not field_texts(loaded, REQUESTS_FIELD):
+        raise RecipeError(
+            f"{loaded.path}: {REQUESTS_FIELD}: no texts in {loaded.files[REQUESTS_FIELD]} (one request per line)"
+        )
 
 
 class RepeatedKey(yaml.YAMLError):
@@ -456,6 +498,7 @@ def load_recipe(path: Path) -> LoadedRecipe:
             wanted = "a folder" if field in FOLDER_FIELDS else "a file"
             raise RecipeError(f"{path}: {field}: {resolved} is not {wanted}")
         files[field] = resolved
+    loaded = LoadedRecipe(recipe=recipe, path=path, files=files)
     if REQUESTS_FIELD in files:
-        _check_requests(path, files[REQUESTS_FIELD])
-    return LoadedRecipe(recipe=recipe, path=path, files=files)
+        _check_requests(loaded)
+    return loaded

@@ -197,6 +197,11 @@ def load_text(load: OtherLoad | None) -> str:
     return text
 
 
+def data_text(judged_on: str) -> str:
+    """Which data calibrated and judged the variants; nothing for a model stored before builds said."""
+    return f"Calibrated and judged on {judged_on}.\n\n" if judged_on else ""
+
+
 def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
     candidates, eager = result.candidates, result.eager
     directory.mkdir(parents=True, exist_ok=True)
@@ -228,6 +233,7 @@ def write_report(recipe: Recipe, result: BuildResult, directory: Path) -> Path:
         "held-out inputs and on perturbed ones (shifted, rotated, blurred, noisy), and the gate holds each "
         "drop's one-sided 95 % upper confidence bound (in brackets) to the budget, taken over sources as "
         "well as over inputs where inputs share one (the views of a photo, the moved copies of a digit).\n\n"
+        f"{data_text(result.judged_on)}"
         f"## Profile of the served variant ({served})\n\n{profile_table(served_profile)}\n"
         f"{cascade_text(candidates)}"
         f"{steps_text(result.steps)}"

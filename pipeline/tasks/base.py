@@ -44,6 +44,7 @@ class TaskData:
     profiling: Split  # real rows that timed batches are drawn from
     training: Split | None = None
     threshold: Split | None = None  # where a cascade's threshold is calibrated, never judged on
+    judged_on: str = ""  # which data calibrated and judged the model, for the report: the user's or the samples
 
 
 class PipelineTask(ABC):

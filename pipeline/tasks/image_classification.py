@@ -13,7 +13,8 @@ from pipeline.datasets import Split, digits_split, photo_split
 from pipeline.evaluate import SliceFigures, classification_figures
 from pipeline.export import IMAGE_INPUT, IMAGE_OUTPUT, ImageClassifierGraph, ServingGraph
 from pipeline.export_check import image_batches
-from pipeline.recipe import ImageClassificationRecipe
+from pipeline.own_data import own_images
+from pipeline.recipe import IMAGES_FIELD, ImageClassificationRecipe
 from pipeline.sources import load_class_names
 from pipeline.students import SmallCNN, distill_classifier, seeded
 from pipeline.tasks.base import PipelineTask, TaskData
@@ -26,6 +27,8 @@ from serving.monitoring import MonitoringReference, classifier_statistics, refer
 if TYPE_CHECKING:
     from pipeline.recipe import LoadedRecipe, Student
     from pipeline.sources import SourceModel
+
+PHOTO_PARTS = ("calibration", HELD_OUT, "perturbed")
 
 
 class ImageClassification(PipelineTask):
@@ -53,13 +56,25 @@ class ImageClassification(PipelineTask):
         )
         names = workdir / CLASS_NAMES_FILE
         names.write_text(json.dumps(class_names))
+        training = threshold = None
         if recipe.source.kind == "train-digits":
             calibration, held_out, perturbed, training, threshold = (
                 digits_split(p) for p in ("calibration", HELD_OUT, "perturbed", "training", "threshold")
             )
+            judged_on = f"scikit-learn's digits ({len(held_out)} held out, each also moved)"
+        elif (folder := own_images(loaded, class_names)) is not None:
+            calibration, held_out, perturbed = (folder.split(spec_in, p) for p in PHOTO_PARTS)
+            judged_on = (
+                f"the recipe's {IMAGES_FIELD} ({folder.root}): {len(folder.names)} images, "
+                f"{len(set(held_out.groups))} judged and {len(set(calibration.groups))} calibrated on, "
+                + ("labelled by their class subfolders" if folder.labels else "unlabelled")
+            )
         else:
-            calibration, held_out, perturbed = (photo_split(spec_in, p) for p in ("calibration", HELD_OUT, "perturbed"))
-            training = threshold = None
+            calibration, held_out, perturbed = (photo_split(spec_in, p) for p in PHOTO_PARTS)
+            judged_on = (
+                f"the built-in sample photos: {len(set(held_out.groups))} judged and "
+                f"{len(set(calibration.groups))} calibrated on, unlabelled"
+            )
         return TaskData(
             spec=ModelSpec(
                 task=self.name, image=spec_in, input_names=graph.input_names, output_names=graph.output_names
@@ -72,6 +87,7 @@ class ImageClassification(PipelineTask):
             profiling=held_out,  # decoded photos: an image's cost does not depend on what it shows
             training=training,
             threshold=threshold,
+            judged_on=f"{judged_on}; {len(held_out)} held-out and {len(perturbed)} perturbed inputs",
         )
 
     def judge(

@@ -12,7 +12,8 @@ from pipeline.datasets import Split, text_split
 from pipeline.evaluate import SliceFigures, embedding_figures, row_cosines
 from pipeline.export import TEXT_INPUTS, TEXT_OUTPUT, SentenceEmbeddingGraph, ServingGraph
 from pipeline.export_check import text_batches
-from pipeline.recipe import REQUESTS_FIELD, TextEmbeddingRecipe, request_texts
+from pipeline.own_data import own_texts
+from pipeline.recipe import REQUESTS_FIELD, TEXTS_FIELD, TextEmbeddingRecipe, request_texts
 from pipeline.sentence_config import lowercasing_tokenizer
 from pipeline.students import distill_embeddings, layer_subset_student
 from pipeline.tasks.base import PipelineTask, TaskData
@@ -55,8 +56,8 @@ class TextEmbedding(PipelineTask):
         )
 
     def prepare(self, loaded: LoadedRecipe, source: SourceModel, graph: ServingGraph, workdir: Path) -> TaskData:
-        """Profiles on the recipe's file of real requests where it names one, else on the corpus's
-        profiling part."""
+        """Splits the recipe's own texts where it gives them, else the sample corpus; profiles on
+        the recipe's file of real requests where it names one, else on that data's profiling part."""
         recipe = loaded.recipe
         tokenizer_file = source.model_dir / TOKENIZER_FILE
         if source.lowercase:
@@ -71,15 +72,23 @@ class TextEmbedding(PipelineTask):
             return tokenizer.encode(texts, truncate=True)
 
         requests = loaded.files.get(REQUESTS_FIELD)
+        texts = own_texts(loaded)
+        evaluation = text_split(encode, "evaluation", texts)
+        judged_on = (
+            f"the recipe's {TEXTS_FIELD} ({loaded.files[TEXTS_FIELD]}): {len(texts)} texts"
+            if texts
+            else "the built-in pydoc_data sentences"
+        )
         return TaskData(
             spec=ModelSpec(task=self.name, text=text, input_names=graph.input_names, output_names=graph.output_names),
             files={TOKENIZER_FILE: tokenizer_file},
             check_batches=text_batches(tokenizer_file, recipe.text.max_length),
             feeds=lambda rows: pad_batch(rows, tokenizer.pad_id),
-            calibration=text_split(encode, "calibration"),
-            evaluation={HELD_OUT: text_split(encode, "evaluation")},
-            profiling=Split(encode(request_texts(requests))) if requests else text_split(encode, "profiling"),
-            training=text_split(encode, "training"),
+            calibration=text_split(encode, "calibration", texts),
+            evaluation={HELD_OUT: evaluation},
+            profiling=Split(encode(request_texts(requests))) if requests else text_split(encode, "profiling", texts),
+            training=text_split(encode, "training", texts),
+            judged_on=f"{judged_on}, {len(evaluation)} judged",
         )
 
     def judge(
