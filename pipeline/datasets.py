@@ -37,7 +37,7 @@ CALIBRATION_PHOTOS = ("astronaut", "camera", "china")
 # fewer views each is the better evidence: the views of one scene stand or fall together.
 VIEWS_PER_SLICE = {"calibration": 96, "held-out": 512, "perturbed": 512}
 PhotoSlice = Literal["calibration", "held-out", "perturbed"]
-PERTURBED_DIGIT_COPIES = 4
+PERTURBED_DIGIT_COPIES = 4  # 1 800 moved digits: a 1-point budget needs that many to be shown
 # A recipe's own images (`data.images`): a quarter of the files calibrate, the rest are judged; at
 # least as many judged as the built-in photos have scenes (6): the gate's bound over files takes
 # Student's t at files - 1 degrees of freedom, 2.0 at 6 files but 6.3 at 2, too wide for any budget.
@@ -46,7 +46,7 @@ CALIBRATION_SHARE = 4
 MIN_IMAGES = 8
 # A recipe's own texts (`data.texts`): every eighth judged, so 12 judged texts at least, as the ten
 # nearest neighbours of `knn10_agreement` need 11; as many for calibration and for profiling.
-MIN_TEXTS = 96  # 1 800 moved digits: a 1-point budget needs that many to be shown
+MIN_TEXTS = 96
 
 
 @dataclass(frozen=True)
@@ -166,22 +166,25 @@ class ImageFolder:
 
 
 def calibration_files(names: Sequence[str]) -> list[str]:
-    """The files calibration takes: a quarter (at least one, at most as many as it has views), those
-    whose path hashes lowest, so the split depends on no listing order and a file added moves at
-    most one other between calibration and evaluation."""
+    """The files calibration takes: a quarter, at least one and at most as many as its views (one
+    view each beyond: ONNX Runtime's calibrators keep every row's activations), those whose path
+    hashes lowest, so the split depends on no listing order and a file added moves at most one
+    other between calibration and evaluation."""
     count = min(max(1, len(names) // CALIBRATION_SHARE), VIEWS_PER_SLICE["calibration"])
     return sorted(names, key=lambda name: hashlib.sha256(name.encode()).hexdigest())[:count]
 
 
 def image_folder(root: Path, class_names: Sequence[str]) -> ImageFolder:
-    """The images under `root` (searched recursively, by suffix), labelled where each lies in a
-    first-level subfolder named after a label (torchvision's ImageFolder layout); a layout that is
-    half that is refused rather than silently left unlabelled."""
+    """The images under `root` (searched recursively, by suffix; hidden files and folders, such as
+    macOS's `._` copies, left out), labelled where each lies in a first-level subfolder named after a
+    label (torchvision's ImageFolder layout); a layout that is half that is refused rather than
+    silently left unlabelled."""
+    found = (path.relative_to(root) for path in root.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES)
     names = tuple(
         sorted(
-            path.relative_to(root).as_posix()
-            for path in root.rglob("*")
-            if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+            path.as_posix()
+            for path in found
+            if not any(part.startswith(".") for part in path.parts) and (root / path).is_file()
         )
     )
     if len(names) < MIN_IMAGES:

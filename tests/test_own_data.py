@@ -102,6 +102,8 @@ def test_images_are_split_by_file_disjointly_and_the_same_whatever_the_listing(t
     assert sorted(calibration + evaluation) == sorted(folder.names)
     assert folder.part("perturbed") == evaluation
     assert calibration_files(list(reversed(folder.names))) == calibration_files(list(folder.names))
+    (tmp_path / "photos" / "batch-0" / "._circle-0.png").write_bytes(b"macOS metadata")
+    assert image_folder(tmp_path / "photos", CLASSES) == folder, "hidden files are no images"
 
 
 def test_an_added_image_moves_at_most_one_other_between_the_parts() -> None:
@@ -283,5 +285,6 @@ def test_a_text_build_is_judged_on_the_recipes_texts(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(recipe))
     result = build(load_all([path])[0])
     assert result.candidates[0].slices[HELD_OUT].size == 25, "every eighth of the 200 texts"
-    assert result.judged_on == f"the recipe's data.texts ({tmp_path / 'tickets.txt'}): 200 texts, 25 judged"
+    texts = tmp_path / "tickets.txt"
+    assert result.judged_on == f"the recipe's data.texts ({texts}): 200 texts, 25 judged and 25 calibrated on"
     assert result.model.info.metadata["monitoring"]["statistics"]["tokens"]["size"] == 25

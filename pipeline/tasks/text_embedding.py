@@ -73,7 +73,7 @@ class TextEmbedding(PipelineTask):
 
         requests = loaded.files.get(REQUESTS_FIELD)
         texts = own_texts(loaded)
-        evaluation = text_split(encode, "evaluation", texts)
+        calibration, evaluation = (text_split(encode, part, texts) for part in ("calibration", "evaluation"))
         judged_on = (
             f"the recipe's {TEXTS_FIELD} ({loaded.files[TEXTS_FIELD]}): {len(texts)} texts"
             if texts
@@ -84,11 +84,11 @@ class TextEmbedding(PipelineTask):
             files={TOKENIZER_FILE: tokenizer_file},
             check_batches=text_batches(tokenizer_file, recipe.text.max_length),
             feeds=lambda rows: pad_batch(rows, tokenizer.pad_id),
-            calibration=text_split(encode, "calibration", texts),
+            calibration=calibration,
             evaluation={HELD_OUT: evaluation},
             profiling=Split(encode(request_texts(requests))) if requests else text_split(encode, "profiling", texts),
             training=text_split(encode, "training", texts),
-            judged_on=f"{judged_on}, {len(evaluation)} judged",
+            judged_on=f"{judged_on}, {len(evaluation)} judged and {len(calibration)} calibrated on",
         )
 
     def judge(
