@@ -44,6 +44,9 @@ PERTURBED_DIGIT_COPIES = 4  # 1 800 moved digits: a 1-point budget needs that ma
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 CALIBRATION_SHARE = 4
 MIN_IMAGES = 8
+# Every judged file has a view in the held-out and the perturbed slice, and every variant runs them:
+# at 224 px, 1 024 files are 150 MB a slice and a minute or two of each trial on 2 cores.
+MAX_JUDGED_IMAGES = 1024
 # A recipe's own texts (`data.texts`): every eighth judged, so 12 judged texts at least, as the ten
 # nearest neighbours of `knn10_agreement` need 11; as many for calibration and for profiling.
 MIN_TEXTS = 96
@@ -152,8 +155,8 @@ class ImageFolder:
 
     def part(self, part: PhotoSlice) -> list[str]:
         """The files of a part: calibration's are never evaluated."""
-        calibration = set(calibration_files(self.names))
-        return [name for name in self.names if (name in calibration) == (part == "calibration")]
+        chosen = set(calibration_files(self.names) if part == "calibration" else judged_files(self.names))
+        return [name for name in self.names if name in chosen]
 
     def open(self, name: str, spec: ImageInput) -> Image.Image:
         """Decoded as the service decodes an upload, at a reduced scale where a JPEG is much larger than
@@ -170,8 +173,22 @@ def calibration_files(names: Sequence[str]) -> list[str]:
     view each beyond: ONNX Runtime's calibrators keep every row's activations), those whose path
     hashes lowest, so the split depends on no listing order and a file added moves at most one
     other between calibration and evaluation."""
-    count = min(max(1, len(names) // CALIBRATION_SHARE), VIEWS_PER_SLICE["calibration"])
-    return sorted(names, key=lambda name: hashlib.sha256(name.encode()).hexdigest())[:count]
+    return ranked(names)[: calibration_count(len(names))]
+
+
+def judged_files(names: Sequence[str]) -> list[str]:
+    """The files the gate judges on: those after calibration's in the same order, at most
+    `MAX_JUDGED_IMAGES` (each has a view in both slices, and every variant runs them all)."""
+    count = calibration_count(len(names))
+    return ranked(names)[count : count + MAX_JUDGED_IMAGES]
+
+
+def calibration_count(files: int) -> int:
+    return min(max(1, files // CALIBRATION_SHARE), VIEWS_PER_SLICE["calibration"])
+
+
+def ranked(names: Sequence[str]) -> list[str]:
+    return sorted(names, key=lambda name: hashlib.sha256(name.encode()).hexdigest())
 
 
 def image_folder(root: Path, class_names: Sequence[str]) -> ImageFolder:

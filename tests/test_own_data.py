@@ -16,7 +16,7 @@ from test_variants import TINY_PROFILE, tiny_bert_dir
 from pipeline import datasets
 from pipeline.build import JUDGED_ON, build
 from pipeline.build_command import load_all
-from pipeline.datasets import MIN_TEXTS, calibration_files, image_folder, text_split
+from pipeline.datasets import MIN_TEXTS, calibration_files, image_folder, judged_files, text_split
 from pipeline.own_data import check_data, own_images, own_texts
 from pipeline.recipe import RecipeError, load_recipe
 from pipeline.report import write_report
@@ -112,7 +112,11 @@ def test_an_added_image_moves_at_most_one_other_between_the_parts() -> None:
     for added in ("scan-40.png", "new/scan-a.png", "zzz.jpg"):
         after = set(calibration_files([*names, added]))
         assert len((before ^ after) - {added}) <= 1
-    assert len(calibration_files([f"{i}.png" for i in range(10_000)])) == datasets.VIEWS_PER_SLICE["calibration"]
+    many = [f"{i}.png" for i in range(10_000)]
+    assert len(calibration_files(many)) == datasets.VIEWS_PER_SLICE["calibration"]
+    assert len(judged_files(many)) == datasets.MAX_JUDGED_IMAGES and not set(judged_files(many)) & set(
+        calibration_files(many)
+    ), "a large folder is judged on a fixed share of its files, none calibrated on"
 
 
 def test_views_count_files_and_keep_the_minimum_number_of_inputs(labelled: Path) -> None:
