@@ -298,17 +298,25 @@ class ImageClassificationRecipe(RecipeBase):
     metrics = ("top1_agreement", "top5_agreement", "top5_overlap", "kl_divergence", "accuracy")
     endpoint = "classify"
     task: Literal["image-classification"]
-    source: Annotated[EfficientNetLiteSource | TorchvisionSource | TrainDigitsSource, Field(discriminator="kind")]
+    source: Annotated[
+        EfficientNetLiteSource | TorchvisionSource | TrainDigitsSource | HuggingFaceSource, Field(discriminator="kind")
+    ]
     labels: str | None = Field(
-        default=None, description="'imagenet', or a text file with one label per line; train-digits: omit"
+        default=None,
+        description="'imagenet', or a text file with one label per line; train-digits: omit; huggingface: "
+        "config.json's id2label when omitted",
     )
-    image: ImagePreprocess
+    image: ImagePreprocess | None = Field(
+        default=None, description="huggingface: preprocessor_config.json's when omitted (load_recipe fills it)"
+    )
     data: ImageData | None = None
 
     @model_validator(mode="after")
     def _images_need(self) -> ImageClassificationRecipe:
-        if self.labels is None and self.source.kind != "train-digits":
+        if self.labels is None and self.source.kind not in ("train-digits", "huggingface"):
             raise ValueError(f"task {self.task} needs the field 'labels'")
+        if self.image is None and self.source.kind != "huggingface":
+            raise ValueError(f"task {self.task} needs the field 'image' (only a huggingface source has its own)")
         if isinstance(self.source, TorchvisionSource) and (fault := self.source.options_fault()):
             raise ValueError(fault)
         if getattr(self.source, "num_classes", 2) < 2:
@@ -395,6 +403,7 @@ class LoadedRecipe(BaseModel):
     recipe: Recipe
     path: Path
     files: dict[str, Path]
+    derived: tuple[str, ...] = ()  # recipe fields the loader filled from the source (a HF classifier's `image`)
 
     @property
     def name(self) -> str:
@@ -501,4 +510,18 @@ def load_recipe(path: Path) -> LoadedRecipe:
     loaded = LoadedRecipe(recipe=recipe, path=path, files=files)
     if REQUESTS_FIELD in files:
         _check_requests(loaded)
+    if isinstance(recipe, ImageClassificationRecipe) and recipe.image is None:
+        recipe = recipe.model_copy(update={"image": _processor_preprocess(path, files["source.path"])})
+        loaded = LoadedRecipe(recipe=recipe, path=path, files=files, derived=("image",))
     return loaded
+
+
+def _processor_preprocess(path: Path, model_dir: Path) -> ImagePreprocess:
+    """A Hugging Face classifier's `image:` from its own processor, so that every consumer of the
+    recipe (the build, the benchmarks) sees the pre-processing the service will do."""
+    from pipeline.image_processor import ImageProcessorError, preprocess_of
+
+    try:
+        return ImagePreprocess(**preprocess_of(model_dir)._asdict())
+    except ImageProcessorError as exc:
+        raise RecipeError(f"{path}: image: {exc}") from None

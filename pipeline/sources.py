@@ -66,7 +66,7 @@ def load_class_names(loaded: LoadedRecipe, num_classes: int | None) -> list[str]
     if num_classes is not None and len(names) != num_classes:
         skipped = f" (blank lines skipped: {', '.join(map(str, blank[:5]))})" if blank else ""
         raise RecipeError(
-            f"{loaded.path}: labels: {len(names)} labels{skipped} but source.num_classes is {num_classes}"
+            f"{loaded.path}: labels: {len(names)} labels{skipped} but the model has {num_classes} classes"
         )
     return names
 
@@ -230,13 +230,60 @@ def _check_image_size(loaded: LoadedRecipe, module: torch.nn.Module) -> None:
         ) from None
 
 
-@loader(HuggingFaceSource)
-def _huggingface(loaded: LoadedRecipe) -> SourceModel:
-    from transformers import AutoModel
+class PixelLogits(torch.nn.Module):
+    """A Hugging Face image classifier as a plain module: normalized pixel values in, logits out."""
 
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixel_values).logits
+
+
+def _pretrained(loaded: LoadedRecipe, auto_class: type) -> torch.nn.Module:
+    """`auto_class.from_pretrained` on the recipe's directory, never from a hub."""
     model_dir = loaded.files["source.path"]
     if not (model_dir / "config.json").is_file():
         raise RecipeError(f"{loaded.path}: source.path: {model_dir} has no config.json")
+    try:
+        # Eager attention exports to plain MatMul/Softmax that ORT's transformer optimizer can fuse.
+        return auto_class.from_pretrained(str(model_dir), attn_implementation="eager", local_files_only=True)
+    except ValueError as exc:  # a config of another kind of model: "Unrecognized configuration class ..."
+        raise RecipeError(f"{loaded.path}: source.path: {model_dir}: {str(exc).splitlines()[0]}") from exc
+
+
+@loader(HuggingFaceSource)
+def _huggingface(loaded: LoadedRecipe) -> SourceModel:
+    return _huggingface_classifier(loaded) if loaded.recipe.task == "image-classification" else _sentences(loaded)
+
+
+def _huggingface_classifier(loaded: LoadedRecipe) -> SourceModel:
+    """Labels from config.json's id2label unless the recipe gives its own (as many); a processor the
+    recipe's `image` came from is checked against the service's pixels on the sample photos."""
+    from transformers import AutoModelForImageClassification
+
+    from pipeline.image_processor import ImageProcessorError, check_processor
+
+    model_dir = loaded.files["source.path"]
+    module = _pretrained(loaded, AutoModelForImageClassification)
+    count = module.config.num_labels
+    if loaded.recipe.labels is None:
+        names = [str(module.config.id2label[index]) for index in range(count)]
+    else:
+        names = load_class_names(loaded, count)
+    if "image" in loaded.derived:
+        try:
+            check_processor(model_dir, loaded.recipe.image)
+        except ImageProcessorError as exc:
+            raise RecipeError(f"{loaded.path}: image: {exc}") from exc
+    return SourceModel(module=PixelLogits(module), class_names=names, model_dir=model_dir)
+
+
+def _sentences(loaded: LoadedRecipe) -> SourceModel:
+    from transformers import AutoModel
+
+    model_dir = loaded.files["source.path"]
     if not (model_dir / "tokenizer.json").is_file():
         raise RecipeError(
             f"{loaded.path}: source.path: {model_dir} has no tokenizer.json (the fast tokenizer's file, which the "
@@ -246,8 +293,7 @@ def _huggingface(loaded: LoadedRecipe) -> SourceModel:
         sentence = read_sentence_config(model_dir)
     except SentenceConfigError as exc:
         raise RecipeError(f"{loaded.path}: source.path: {exc}") from exc
-    # Eager attention exports to plain MatMul/Softmax that ORT's transformer optimizer can fuse.
-    module = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager", local_files_only=True)
+    module = _pretrained(loaded, AutoModel)
     positions = usable_positions(module)
     if positions is not None and loaded.recipe.text.max_length > positions:
         raise RecipeError(

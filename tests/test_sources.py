@@ -127,7 +127,7 @@ def test_labels_that_are_not_utf8_name_the_field(tmp_path: Path) -> None:
 def test_a_blank_line_between_labels_is_named_when_the_count_is_off(tmp_path: Path) -> None:
     recipe = labels_recipe(tmp_path)
     (tmp_path / "labels.txt").write_text("cat\n\ndog\n\n")
-    with pytest.raises(RecipeError, match=r"labels: 2 labels \(blank lines skipped: 2\) but source\.num_classes is 3"):
+    with pytest.raises(RecipeError, match=r"labels: 2 labels \(blank lines skipped: 2\) but the model has 3 classes"):
         load_class_names(recipe, CLASSES)
 
 
