@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import serving
 from PIL import Image
 
 from pipeline.build import build
@@ -21,6 +22,7 @@ from pipeline.sources import load_source
 from sample_inputs import sample_photos
 from serving.classify import ImageUpload, prepare_image
 from serving.engine import EngineSettings, OnnxEngine
+from serving.manifest import ServingManifest, write_manifest
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
 
 LABELS = {0: "cat", 1: "dog", 2: "rocket"}
@@ -211,3 +213,25 @@ def test_other_sources_still_need_the_image(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({**recipe, "labels": "imagenet"}))
     with pytest.raises(RecipeError, match="needs the field 'image' \\(only a huggingface source has its own\\)"):
         load_recipe(path)
+
+
+@pytest.mark.slow
+def test_served_over_http_with_its_own_labels(tmp_path: Path) -> None:
+    """`bentoml serve` of a built Hugging Face classifier: the default endpoint and its own path
+    answer with id2label's names, and the top class `AutoImageProcessor` + PyTorch give."""
+    model_dir = convnext_dir(tmp_path)
+    loaded = load_recipe(recipe_for(model_dir, variants=[], serving={"endpoint": "classify"}))
+    result = build(loaded, force=True)
+    manifest = tmp_path / "serving-manifest.json"
+    write_manifest(ServingManifest().with_routes({"classify": result.route(loaded)}), manifest)
+    photos = sample_photos()
+    expected = [LABELS[int(index)] for index in processor_answers(model_dir, photos).argmax(-1)]
+    with serving(manifest, tmp_path / "bentoml.log") as running, running.client() as client:
+        for path in ("/classify", "/models/hf-convnext/classify"):
+            answers = [
+                client.post(path, content=data, headers={"content-type": "image/png"}).json()
+                for data in photos.values()
+            ]
+            assert {answer["model"] for answer in answers} == {str(result.model.tag)}
+            labels = [answer["predictions"][0]["label"] for answer in answers]
+            assert np.mean([label == want for label, want in zip(labels, expected, strict=True)]) >= 8 / 9
