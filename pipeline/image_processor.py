@@ -106,6 +106,8 @@ def _geometry(processor: Any) -> tuple[int, int]:
             raise ImageProcessorError(f"crops {height}x{height} from a shorter side of {shortest}")
         return shortest, height
     crop_pct = getattr(processor, "crop_pct", None)
+    if crop_pct is not None and not 0 < crop_pct <= 1:
+        raise ImageProcessorError(f"crop_pct {crop_pct}: a crop is a share of the photo, between 0 and 1")
     if crop_pct is not None and shortest < CONVNEXT_WARP_EDGE:  # ConvNeXt's rule, which its processor applies
         return int(shortest / crop_pct), shortest
     if crop_pct is not None:

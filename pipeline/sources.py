@@ -267,6 +267,9 @@ def _huggingface_classifier(loaded: LoadedRecipe) -> SourceModel:
 
     model_dir = loaded.files["source.path"]
     module = _pretrained(loaded, AutoModelForImageClassification)
+    channels = getattr(module.config, "num_channels", 3)
+    if channels != 3:
+        raise RecipeError(f"{loaded.path}: source.path: {model_dir}: num_channels {channels}; the service sends RGB")
     count = module.config.num_labels
     if loaded.recipe.labels is None:
         names = [str(module.config.id2label[index]) for index in range(count)]

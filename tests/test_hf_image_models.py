@@ -116,6 +116,7 @@ def test_the_recipes_image_wins(tmp_path: Path) -> None:
         (lambda root: convnext_dir(root, size={"shortest_edge": 384}), "warps every photo to 384x384"),
         (lambda root: convnext_dir(root, resample=0), "resample 0: the service resizes bilinearly"),
         (lambda root: convnext_dir(root, do_resize=False), "do_resize false"),
+        (lambda root: convnext_dir(root, crop_pct=1.2), "crop_pct 1.2: a crop is a share of the photo"),
     ],
 )
 def test_a_processor_the_service_would_not_reproduce_is_refused(tmp_path: Path, make, message: str) -> None:
@@ -158,6 +159,16 @@ def test_not_an_image_classifier_is_refused(tmp_path: Path) -> None:
         BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     ).save_pretrained(model_dir)
     with pytest.raises(RecipeError, match=r"source.path: .*Unrecognized configuration class"):
+        load_source(load_recipe(recipe_for(model_dir)))
+
+
+def test_a_model_of_other_than_three_channels_is_refused(tmp_path: Path) -> None:
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    model_dir = convnext_dir(tmp_path)
+    config = ConvNextConfig(num_channels=1, hidden_sizes=[8, 16, 24, 32], depths=[1, 1, 1, 1], num_labels=3)
+    ConvNextForImageClassification(config).save_pretrained(model_dir)
+    with pytest.raises(RecipeError, match="num_channels 1; the service sends RGB"):
         load_source(load_recipe(recipe_for(model_dir)))
 
 
