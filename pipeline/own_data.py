@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pipeline.datasets import MIN_TEXTS, DataError, ImageFolder, check_images, image_folder
 from pipeline.recipe import IMAGES_FIELD, TEXTS_FIELD, LoadedRecipe, RecipeError, field_texts
-from pipeline.sources import load_class_names
+from pipeline.sources import declared_class_names
 from serving.model_spec import ImageInput
 
 
@@ -44,7 +44,7 @@ def check_data(loaded: LoadedRecipe) -> None:
     recipe = loaded.recipe
     if IMAGES_FIELD not in loaded.files:
         return
-    folder = own_images(loaded, load_class_names(loaded, getattr(recipe.source, "num_classes", None)))
+    folder = own_images(loaded, declared_class_names(loaded))
     try:
         check_images(folder, ImageInput(size=recipe.image.size, resize=recipe.image.resize))
     except DataError as exc:

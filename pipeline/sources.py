@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -69,6 +70,18 @@ def load_class_names(loaded: LoadedRecipe, num_classes: int | None) -> list[str]
             f"{loaded.path}: labels: {len(names)} labels{skipped} but the model has {num_classes} classes"
         )
     return names
+
+
+def declared_class_names(loaded: LoadedRecipe) -> list[str]:
+    """A classifier recipe's class names before its model loads: its labels, or where it has none a
+    Hugging Face directory's `id2label`, read from config.json as the model will read it (nothing
+    where that file is missing: the loader refuses it, naming the field)."""
+    source = loaded.recipe.source
+    if loaded.recipe.labels is not None or not isinstance(source, HuggingFaceSource):
+        return load_class_names(loaded, getattr(source, "num_classes", None))
+    config = loaded.files["source.path"] / "config.json"
+    id2label = json.loads(config.read_text()).get("id2label", {}) if config.is_file() else {}
+    return [str(id2label[key]) for key in sorted(id2label, key=int)]
 
 
 def read_labels(loaded: LoadedRecipe) -> list[str]:
@@ -271,6 +284,11 @@ def _huggingface_classifier(loaded: LoadedRecipe) -> SourceModel:
     if channels != 3:
         raise RecipeError(f"{loaded.path}: source.path: {model_dir}: num_channels {channels}; the service sends RGB")
     count = module.config.num_labels
+    if count < 2:
+        raise RecipeError(
+            f"{loaded.path}: source.path: {model_dir}: num_labels {count}: a single (sigmoid or regression) output "
+            "is always 1.0 under the softmax this serves; a classifier needs an output per class"
+        )
     if loaded.recipe.labels is None:
         names = [str(module.config.id2label[index]) for index in range(count)]
     else:

@@ -246,3 +246,35 @@ def test_served_over_http_with_its_own_labels(tmp_path: Path) -> None:
             assert {answer["model"] for answer in answers} == {str(result.model.tag)}
             labels = [answer["predictions"][0]["label"] for answer in answers]
             assert np.mean([label == want for label, want in zip(labels, expected, strict=True)]) >= 8 / 9
+
+
+def test_its_own_images_in_folders_named_after_id2label_are_labelled(tmp_path: Path) -> None:
+    """A recipe without a labels file: the data's class subfolders are matched to config.json's names."""
+    from pipeline.build_command import load_all
+    from pipeline.own_data import own_images
+    from pipeline.sources import declared_class_names
+
+    model_dir = convnext_dir(tmp_path)
+    photos = list(sample_photos().values())
+    for index, name in enumerate(LABELS.values()):
+        for copy in range(4):
+            (tmp_path / "photos" / name).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "photos" / name / f"{copy}.jpg").write_bytes(photos[(index + copy) % len(photos)])
+    budget = {"max_drop": {"accuracy": 0.05}, "p99_slo_ms": 2000}
+    (loaded,) = load_all([recipe_for(model_dir, data={"images": "./photos"}, budget=budget)])
+
+    folder = own_images(loaded, declared_class_names(loaded))
+
+    assert declared_class_names(loaded) == list(LABELS.values())
+    assert folder is not None and folder.labels == {f"{n}/{c}.jpg": i for i, n in LABELS.items() for c in range(4)}
+
+
+def test_a_single_output_model_is_refused(tmp_path: Path) -> None:
+    from transformers import ConvNextConfig, ConvNextForImageClassification, ConvNextImageProcessor
+
+    directory = tmp_path / "regressor"
+    config = ConvNextConfig(hidden_sizes=[8, 16, 24, 32], depths=[1] * 4, num_labels=1)
+    ConvNextForImageClassification(config).save_pretrained(directory)
+    ConvNextImageProcessor(size={"shortest_edge": 224}).save_pretrained(directory)
+    with pytest.raises(RecipeError, match=r"source\.path: .*num_labels 1: a single"):
+        load_source(load_recipe(recipe_for(directory)))
