@@ -304,10 +304,9 @@ def naive_pixel_payloads(files: dict[str, bytes], recipe_path: Path) -> list:
     from loadtest.inputs import Payload
     from pipeline.recipe import load_recipe
     from serving.classify import ImageUpload, prepare_image
-    from serving.model_spec import ImageInput
 
     image = load_recipe(recipe_path).recipe.image
-    spec = ImageInput(size=image.size, resize=image.resize)
+    spec = image.input_spec()
     mean, std = np.asarray(image.mean, dtype=np.float32), np.asarray(image.std, dtype=np.float32)
     payloads = []
     for name, data in sorted(files.items()):

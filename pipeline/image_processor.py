@@ -1,10 +1,11 @@
 """A Hugging Face image classifier's pre-processing, as the service reproduces it.
 
 `AutoImageProcessor` resizes, crops, rescales and normalizes each photo; the service resizes the
-shorter side, crops the centre square (bilinear, antialiased: serving/images.py) and the graph
-normalizes on the 0-255 scale. So a recipe without `image:` takes its geometry and its mean/std
-from `preprocessor_config.json`, and a processor the service would not reproduce (a warp to a
-fixed size, no crop, another channel order, padding) is refused, naming the setting, rather than
+shorter side and crops the centre square, or squeezes the whole photo to a square as ViT's
+processor does (bilinear, antialiased: serving/images.py), and the graph normalizes on the 0-255
+scale. So a recipe without `image:` takes its geometry and its mean/std from
+`preprocessor_config.json`, and a processor the service would not reproduce (a warp to a
+rectangle, no crop, another channel order, padding) is refused, naming the setting, rather than
 served differently. At build time `check_processor` compares both on the sample photos, which also
 catches processor classes with resize rules of their own.
 """
@@ -50,6 +51,7 @@ class ProcessorPreprocess(NamedTuple):
     resize: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    crop: bool = True
 
 
 def preprocess_of(model_dir: Path) -> ProcessorPreprocess:
@@ -88,33 +90,33 @@ def load_processor(model_dir: Path) -> Any:
         raise ImageProcessorError(f"{model_dir / PROCESSOR_FILE}: not an image processor: {exc}") from exc
 
 
-def _geometry(processor: Any) -> tuple[int, int]:
-    """(resize, size): the shorter side before the crop, and the crop's side."""
+def _geometry(processor: Any) -> tuple[int, int, bool]:
+    """(resize, size, crop): the shorter side before the crop, and the crop's side; or, where the
+    processor squeezes every photo to a square (ViT's), the square's side twice and no crop."""
     size, crop = processor.size, getattr(processor, "crop_size", None)
     shortest = _field(size, "shortest_edge")
     if shortest is None:
         height, width = _field(size, "height"), _field(size, "width")
-        raise ImageProcessorError(
-            f"resizes every photo to {height}x{width} whatever its shape, where the service keeps the aspect ratio "
-            "and crops the centre square"
-        )
+        if height != width or getattr(processor, "do_center_crop", None):
+            raise ImageProcessorError(
+                f"resizes every photo to {height}x{width}{' and crops it' if height == width else ''}, where the "
+                "service squeezes a photo to a square, or keeps its aspect ratio and crops the centre square"
+            )
+        return height, height, False
     if getattr(processor, "do_center_crop", None) and crop is not None:
         height, width = _field(crop, "height"), _field(crop, "width")
         if height != width:
             raise ImageProcessorError(f"crops {height}x{width}; the service crops a square")
         if height > shortest:
             raise ImageProcessorError(f"crops {height}x{height} from a shorter side of {shortest}")
-        return shortest, height
+        return shortest, height, True
     crop_pct = getattr(processor, "crop_pct", None)
     if crop_pct is not None and not 0 < crop_pct <= 1:
         raise ImageProcessorError(f"crop_pct {crop_pct}: a crop is a share of the photo, between 0 and 1")
     if crop_pct is not None and shortest < CONVNEXT_WARP_EDGE:  # ConvNeXt's rule, which its processor applies
-        return int(shortest / crop_pct), shortest
-    if crop_pct is not None:
-        raise ImageProcessorError(
-            f"shortest_edge {shortest} with crop_pct warps every photo to {shortest}x{shortest} with no crop, "
-            "where the service keeps the aspect ratio and crops the centre square"
-        )
+        return int(shortest / crop_pct), shortest, True
+    if crop_pct is not None:  # from 384 on, ConvNeXt's processor squeezes the photo, as ViT's does
+        return shortest, shortest, False
     raise ImageProcessorError("resizes the shorter side without a centre crop; the service crops a square")
 
 
@@ -146,7 +148,7 @@ def serving_preprocess(processor: Any) -> ProcessorPreprocess:
         )
     mean, std = _scale(processor)
     try:
-        resize, size = _geometry(processor)
+        resize, size, crop = _geometry(processor)
     except ImageProcessorError as exc:
         side = _field(processor.size, "shortest_edge") or _field(processor.size, "height")
         crop = getattr(processor, "crop_size", None)
@@ -155,7 +157,13 @@ def serving_preprocess(processor: Any) -> ProcessorPreprocess:
             f"{exc}; to serve it with the service's centre crop instead, give the recipe "
             f"image: {{size: {size}, resize: {side}, mean: {_listed(mean)}, std: {_listed(std)}}}"
         ) from None
-    return ProcessorPreprocess(size=size, resize=resize, mean=mean, std=std)
+    return ProcessorPreprocess(size=size, resize=resize, mean=mean, std=std, crop=crop)
+
+
+def geometry(preprocess: ImagePreprocess | ProcessorPreprocess) -> str:
+    if not preprocess.crop:
+        return f"the whole photo to {preprocess.size}x{preprocess.size}"
+    return f"resize {preprocess.resize}, centre crop {preprocess.size}"
 
 
 def _listed(values: tuple[float, ...]) -> str:
@@ -184,7 +192,7 @@ def processor_inputs(processor: Any, photos: dict[str, bytes]) -> dict[str, np.n
 def compare_with_processor(
     processor: Any, preprocess: ImagePreprocess | ProcessorPreprocess, photos: dict[str, bytes]
 ) -> ProcessorMatch:
-    spec = ImageInput(size=preprocess.size, resize=preprocess.resize)
+    spec = ImageInput(size=preprocess.size, resize=preprocess.resize, crop=preprocess.crop)
     mean, std = np.array(preprocess.mean).reshape(3, 1, 1), np.array(preprocess.std).reshape(3, 1, 1)
     diffs = {}
     for name, normalized in processor_inputs(processor, photos).items():
@@ -201,9 +209,9 @@ def check_processor(model_dir: Path, preprocess: ImagePreprocess | ProcessorPrep
     photo, diff = match.worst
     if diff > MAX_PIXEL_DIFF:
         raise ImageProcessorError(
-            f"{model_dir / PROCESSOR_FILE}: the service's pixels (resize {preprocess.resize}, centre crop "
-            f"{preprocess.size}) differ from the processor's by {diff:.0f} levels of 255 on average on the sample "
-            f"photo {photo!r} (resampling alone stays under {MAX_PIXEL_DIFF:.0f}): its resize rule is not reproduced; "
+            f"{model_dir / PROCESSOR_FILE}: the service's pixels ({geometry(preprocess)}) differ from the "
+            f"processor's by {diff:.0f} levels of 255 on average on the sample photo {photo!r} (resampling alone "
+            f"stays under {MAX_PIXEL_DIFF:.0f}): its resize rule is not reproduced; "
             "give `image:` in the recipe"
         )
     return match

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pipeline.datasets import MIN_TEXTS, DataError, ImageFolder, check_images, image_folder
 from pipeline.recipe import IMAGES_FIELD, TEXTS_FIELD, LoadedRecipe, RecipeError, field_texts
 from pipeline.sources import declared_class_names
-from serving.model_spec import ImageInput
 
 
 def own_images(loaded: LoadedRecipe, class_names: list[str]) -> ImageFolder | None:
@@ -46,7 +45,7 @@ def check_data(loaded: LoadedRecipe) -> None:
         return
     folder = own_images(loaded, declared_class_names(loaded))
     try:
-        check_images(folder, ImageInput(size=recipe.image.size, resize=recipe.image.resize))
+        check_images(folder, recipe.image.input_spec())
     except DataError as exc:
         raise RecipeError(f"{loaded.path}: {IMAGES_FIELD}: {exc}") from None
     if folder.labels is None and recipe.budget and "accuracy" in recipe.budget.max_drop:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS
 from serving.artifacts import file_digest
 from serving.manifest import Share, check_sides
-from serving.model_spec import Task
+from serving.model_spec import ImageInput, Task
 
 PACKAGE_PREFIX = "package:"
 REQUESTS_FIELD = "profiling.requests"
@@ -98,12 +98,21 @@ class ImagePreprocess(Strict):
     resize: int = Field(gt=0, description="shorter side before the centre crop")
     mean: tuple[float, float, float] = Field(description="per-channel mean on the 0-255 scale")
     std: tuple[float, float, float] = Field(description="per-channel std on the 0-255 scale")
+    crop: bool = Field(
+        default=True, description="false: the whole photo squeezed to size x size, no centre crop (ViT's processor)"
+    )
 
     @model_validator(mode="after")
     def _crop_fits(self) -> ImagePreprocess:
         if self.resize < self.size:
             raise ValueError(f"resize ({self.resize}) must be at least size ({self.size})")
+        if not self.crop and self.resize != self.size:
+            raise ValueError(f"resize ({self.resize}): without a crop the photo is resized to size ({self.size})")
         return self
+
+    def input_spec(self) -> ImageInput:
+        """What the service does to a photo before the graph (which normalizes)."""
+        return ImageInput(size=self.size, resize=self.resize, crop=self.crop)
 
     @model_validator(mode="after")
     def _on_the_0_255_scale(self) -> ImagePreprocess:

@@ -16,7 +16,7 @@ import numpy as np
 
 from serving.batching import Admission
 from serving.errors import InputTooLarge, InvalidInput
-from serving.images import check_content_type, decode_sized, resize_center_crop
+from serving.images import check_content_type, decode_sized, resize_center_crop, resize_whole
 from serving.manifest import Route
 from serving.metrics import count_cascade_answers
 from serving.model_calls import BatchedModel, Observer
@@ -43,6 +43,8 @@ def prepare_sized_image(upload: ImageUpload, spec: ImageInput) -> tuple[np.ndarr
     with the decoded image's (width, height), which monitoring records."""
     check_content_type(upload.content_type, name=upload.name)
     decoded = decode_sized(upload.data, min_side=spec.resize, name=upload.name)
+    if not spec.crop:
+        return resize_whole(decoded.image, size=spec.size), decoded.size
     return resize_center_crop(decoded.image, resize=spec.resize, crop=spec.size), decoded.size
 
 

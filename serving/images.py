@@ -117,6 +117,13 @@ def resize_center_crop(image: Image.Image, *, resize: int, crop: int) -> np.ndar
     return np.asarray(resized, dtype=np.uint8)
 
 
+def resize_whole(image: Image.Image, *, size: int) -> np.ndarray:
+    """The whole photo to `size` × `size`, its aspect ratio not kept: the geometry of processors
+    that warp (ViT's), for a model trained so."""
+    resized = image.resize((size, size), Image.Resampling.BILINEAR, reducing_gap=REDUCING_GAP)
+    return np.asarray(resized, dtype=np.uint8)
+
+
 def check_content_type(content_type: str | None, *, name: str = "image") -> None:
     """Reject declared non-image types early; a missing or generic type is sniffed by decoding."""
     if content_type is None:

@@ -21,11 +21,13 @@ SPEC_KEY = "optiserve"
 
 
 class ImageInput(BaseModel):
-    """uint8 NHWC at `size`; the graph normalizes."""
+    """uint8 NHWC at `size`; the graph normalizes. `crop`: the shorter side resized to `resize`, then
+    the centre square; else the whole photo squeezed to `size` × `size` (ViT's processor does that)."""
 
     model_config = ConfigDict(extra="forbid")
     size: int
     resize: int
+    crop: bool = True
 
 
 class TextInput(BaseModel):

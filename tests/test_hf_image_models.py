@@ -23,6 +23,7 @@ from sample_inputs import sample_photos
 from serving.classify import ImageUpload, prepare_image
 from serving.engine import EngineSettings, OnnxEngine
 from serving.manifest import ServingManifest, write_manifest
+from serving.model_runtime import read_spec
 from serving.model_spec import CLASS_NAMES_FILE, ImageInput
 
 LABELS = {0: "cat", 1: "dog", 2: "rocket"}
@@ -100,8 +101,17 @@ def test_a_processor_with_a_centre_crop_and_its_own_rescale(tmp_path: Path) -> N
     np.testing.assert_allclose(image.mean, np.array([0.48145466, 0.4578275, 0.40821073]) * 127.5, rtol=1e-6)
 
 
+def test_vits_processor_squeezes_the_whole_photo_and_the_service_does_the_same(tmp_path: Path) -> None:
+    """ViT's processor resizes every photo to 224×224 whatever its shape: no crop, the aspect ratio
+    not kept. The service does the same, to the processor's pixels within rounding."""
+    model_dir = vit_dir(tmp_path)
+    image = load_recipe(recipe_for(model_dir)).recipe.image
+    assert (image.size, image.resize, image.crop) == (224, 224, False)
+    assert check_processor(model_dir, image).worst[1] < 0.05
+
+
 def test_the_recipes_image_wins(tmp_path: Path) -> None:
-    """ViT's processor warps photos to a square; a recipe that gives `image` chooses the centre crop."""
+    """ViT's processor squeezes photos to a square; a recipe that gives `image` chooses the centre crop."""
     loaded = load_recipe(recipe_for(vit_dir(tmp_path), image=CENTRE_CROP))
     assert loaded.recipe.image.resize == 224
     assert loaded.derived == ()
@@ -112,8 +122,7 @@ def test_the_recipes_image_wins(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda root: vit_dir(root), "resizes every photo to 224x224 whatever its shape"),
-        (lambda root: convnext_dir(root, size={"shortest_edge": 384}), "warps every photo to 384x384"),
+        (lambda root: vit_dir(root, rectangle()), "resizes every photo to 224x320, where the service squeezes"),
         (lambda root: convnext_dir(root, resample=0), "resample 0: the service resizes bilinearly"),
         (lambda root: convnext_dir(root, do_resize=False), "do_resize false"),
         (lambda root: convnext_dir(root, crop_pct=1.2), "crop_pct 1.2: a crop is a share of the photo"),
@@ -127,11 +136,24 @@ def test_a_processor_the_service_would_not_reproduce_is_refused(tmp_path: Path, 
     assert "\n" not in str(refused.value)
 
 
+def rectangle() -> object:
+    from transformers import ViTImageProcessor
+
+    return ViTImageProcessor(size={"height": 224, "width": 320}, image_mean=0.5, image_std=0.5)
+
+
 def test_the_warp_refusal_says_what_to_write(tmp_path: Path) -> None:
     with pytest.raises(RecipeError) as refused:
-        load_recipe(recipe_for(vit_dir(tmp_path)))
+        load_recipe(recipe_for(vit_dir(tmp_path, rectangle())))
     suggested = str(refused.value).split("give the recipe image: ", 1)[1]
     assert yaml.safe_load(suggested) == CENTRE_CROP
+
+
+def test_a_convnext_from_384_squeezes_the_photo_as_its_processor_does(tmp_path: Path) -> None:
+    model_dir = convnext_dir(tmp_path, size={"shortest_edge": 384})
+    image = load_recipe(recipe_for(model_dir)).recipe.image
+    assert (image.size, image.resize, image.crop) == (384, 384, False)
+    assert check_processor(model_dir, image).worst[1] < MAX_PIXEL_DIFF / 2  # bicubic against bilinear
 
 
 def test_a_directory_without_a_processor_needs_the_image(tmp_path: Path) -> None:
@@ -201,14 +223,17 @@ def processor_answers(model_dir: Path, photos: dict[str, bytes]) -> np.ndarray:
         return torch.softmax(model(**processor(images=images, return_tensors="pt")).logits, -1).numpy()
 
 
-def test_a_built_model_answers_as_the_processor_and_pytorch(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("make", "spec"), [(convnext_dir, ImageInput(size=224, resize=256)), (vit_dir, None)])
+def test_a_built_model_answers_as_the_processor_and_pytorch(tmp_path: Path, make, spec: ImageInput | None) -> None:
     """The whole build (export, check, gate, register) on the processor's pre-processing, and the
     stored graph fed as the service feeds it against `AutoImageProcessor` + PyTorch."""
-    model_dir = convnext_dir(tmp_path)
-    stored = Path(build(load_recipe(recipe_for(model_dir, variants=[])), force=True).model.path)
+    model_dir = make(tmp_path)
+    result = build(load_recipe(recipe_for(model_dir, variants=[])), force=True)
+    stored = Path(result.model.path)
     assert json.loads((stored / CLASS_NAMES_FILE).read_text()) == ["cat", "dog", "rocket"]
     photos = sample_photos()
-    spec = ImageInput(size=224, resize=256)
+    spec = spec or ImageInput(size=224, resize=224, crop=False)
+    assert read_spec(result.model.info.metadata).image == spec, "the stored spec is what the service will do"
     pixels = np.stack([prepare_image(ImageUpload(data, None, name), spec) for name, data in photos.items()])
     engine = OnnxEngine(stored / "model.onnx", EngineSettings.from_environment())
     served = engine.run({"images": pixels})["probabilities"]

@@ -12,6 +12,7 @@ from PIL import Image
 
 from sample_inputs import as_phone_photo, encode, sample_photos, sample_texts
 from serving.api import error_answer
+from serving.classify import ImageUpload, prepare_image
 from serving.errors import (
     DeadlineUnmet,
     EmptyInput,
@@ -30,6 +31,7 @@ from serving.images import (
     decode_sized,
     resize_center_crop,
 )
+from serving.model_spec import ImageInput
 from serving.text import TextTokenizer, check_text_batch, length_groups, pad_batch
 
 
@@ -313,3 +315,18 @@ def test_a_model_service_shedding_load_answers_503_with_retry_after() -> None:
     assert answer.status == HTTPStatus.SERVICE_UNAVAILABLE
     assert answer.headers["Retry-After"] == "1"
     assert answer.body == {"error": "process is overloaded", "type": "overloaded"}
+
+
+def test_a_spec_without_a_crop_squeezes_the_whole_photo_to_the_square() -> None:
+    """ViT's geometry: a wide photo keeps its left and right edges, where a centre crop loses them."""
+    wide = np.zeros((100, 400, 3), dtype=np.uint8)
+    wide[:, :50] = (255, 0, 0)
+    wide[:, 350:] = (0, 0, 255)
+    upload = ImageUpload(encode(wide, "PNG"), "image/png", "wide")
+
+    squeezed = prepare_image(upload, ImageInput(size=32, resize=32, crop=False))
+    cropped = prepare_image(upload, ImageInput(size=32, resize=32))
+
+    assert squeezed.shape == cropped.shape == (32, 32, 3)
+    assert tuple(squeezed[16, 0]) == (255, 0, 0) and tuple(squeezed[16, -1]) == (0, 0, 255)
+    assert not cropped[..., 0].any() and not cropped[..., 2].any(), "the centre crop is the black middle"

@@ -21,7 +21,7 @@ from pipeline.tasks.base import PipelineTask, TaskData
 from pipeline.tuning import HELD_OUT
 from pipeline.variants.base import Feeds
 from serving.model_runtime import ImageModelRuntime
-from serving.model_spec import CLASS_NAMES_FILE, ImageInput, ModelSpec
+from serving.model_spec import CLASS_NAMES_FILE, ModelSpec
 from serving.monitoring import MonitoringReference, classifier_statistics, reference_of
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class ImageClassification(PipelineTask):
 
     def prepare(self, loaded: LoadedRecipe, source: SourceModel, graph: ServingGraph, workdir: Path) -> TaskData:
         recipe = loaded.recipe
-        spec_in = ImageInput(size=recipe.image.size, resize=recipe.image.resize)
+        spec_in = recipe.image.input_spec()
         class_names = (
             source.class_names
             if source.class_names is not None
