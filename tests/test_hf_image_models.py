@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import serving
+from conftest import own_home, serving
 from PIL import Image
 
 from pipeline.build import build
@@ -262,7 +262,8 @@ def test_served_over_http_with_its_own_labels(tmp_path: Path) -> None:
     write_manifest(ServingManifest().with_routes({"classify": result.route(loaded)}), manifest)
     photos = sample_photos()
     expected = [LABELS[int(index)] for index in processor_answers(model_dir, photos).argmax(-1)]
-    with serving(manifest, tmp_path / "bentoml.log") as running, running.client() as client:
+    home = own_home(tmp_path / "home")  # the session's server runs beside it, on the shared store
+    with serving(manifest, tmp_path / "bentoml.log", BENTOML_HOME=home) as running, running.client() as client:
         for path in ("/classify", "/models/hf-convnext/classify"):
             answers = [
                 client.post(path, content=data, headers={"content-type": "image/png"}).json()

@@ -103,7 +103,7 @@ def test_registered_labels_and_metadata(built_models: dict[str, BuildResult]) ->
     }
     metadata = image.info.metadata
     assert set(metadata["sha256"]) == {ONNX_FILE, CLASS_NAMES_FILE}
-    assert metadata["optiserve"]["image"] == {"size": 224, "resize": 256}
+    assert metadata["optiserve"]["image"] == {"size": 224, "resize": 256, "crop": True}
     assert metadata["source"]["kind"] == "efficientnet-lite"
     assert len(json.loads((stored_dir(built_models["image-classifier"]) / CLASS_NAMES_FILE).read_text())) == 1000
     text = built_models["text-embedder"].model.info.metadata
