@@ -23,6 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import bentoml
 from bentoml.exceptions import BentoMLException
 from pydantic import BaseModel, ValidationError
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -304,7 +305,7 @@ async def read_within(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     with timed("read"):
         async with arriving_in_time():
-            async for chunk in request.stream():
+            async for chunk in request.stream():  # the request's own: a bulk task's body is read already
                 size += len(chunk)
                 if size > limit:
                     raise InputTooLarge(f"request body exceeds the limit of {limit} bytes")
@@ -338,10 +339,11 @@ async def read_form(request: Request, limit: int, *, max_files: int, hint: str =
 
 def check_closed(content_type: str, tail: bytes) -> None:
     """Refuses a multipart body whose end has no closing boundary (`--boundary--`)."""
-    boundary = content_type.partition("boundary=")[2].split(";")[0].strip().strip('"')
-    closing = f"--{boundary}--"
-    if closing.encode("latin-1", "replace") not in tail:
-        raise InvalidInput(f"malformed form body: it ends without its closing boundary {closing!r} (cut short?)")
+    end = b"--" + parse_options_header(content_type)[1].get(b"boundary", b"") + b"--"
+    if end not in tail:
+        raise InvalidInput(
+            f"malformed form body: it ends without its closing boundary {end.decode('latin-1')!r} (cut short?)"
+        )
 
 
 class LimitedBody:
