@@ -21,7 +21,6 @@ import numpy as np
 from sample_inputs import sample_photos
 from serving.classify import ImageUpload, prepare_image
 from serving.images import decode_image
-from serving.model_spec import ImageInput
 
 if TYPE_CHECKING:  # pipeline.recipe reads a processor through this module when a recipe has no `image`
     from pipeline.recipe import ImagePreprocess
@@ -160,7 +159,7 @@ def serving_preprocess(processor: Any) -> ProcessorPreprocess:
     return ProcessorPreprocess(size=size, resize=resize, mean=mean, std=std, crop=crop)
 
 
-def geometry(preprocess: ImagePreprocess | ProcessorPreprocess) -> str:
+def geometry(preprocess: ImagePreprocess) -> str:
     if not preprocess.crop:
         return f"the whole photo to {preprocess.size}x{preprocess.size}"
     return f"resize {preprocess.resize}, centre crop {preprocess.size}"
@@ -189,10 +188,8 @@ def processor_inputs(processor: Any, photos: dict[str, bytes]) -> dict[str, np.n
     }
 
 
-def compare_with_processor(
-    processor: Any, preprocess: ImagePreprocess | ProcessorPreprocess, photos: dict[str, bytes]
-) -> ProcessorMatch:
-    spec = ImageInput(size=preprocess.size, resize=preprocess.resize, crop=preprocess.crop)
+def compare_with_processor(processor: Any, preprocess: ImagePreprocess, photos: dict[str, bytes]) -> ProcessorMatch:
+    spec = preprocess.input_spec()
     mean, std = np.array(preprocess.mean).reshape(3, 1, 1), np.array(preprocess.std).reshape(3, 1, 1)
     diffs = {}
     for name, normalized in processor_inputs(processor, photos).items():
@@ -202,7 +199,7 @@ def compare_with_processor(
     return ProcessorMatch(diffs)
 
 
-def check_processor(model_dir: Path, preprocess: ImagePreprocess | ProcessorPreprocess) -> ProcessorMatch:
+def check_processor(model_dir: Path, preprocess: ImagePreprocess) -> ProcessorMatch:
     """The service's pixels against the processor's on the sample photos; ImageProcessorError names
     the photo where they part by more than MAX_PIXEL_DIFF (a processor class with a rule of its own)."""
     match = compare_with_processor(load_processor(model_dir), preprocess, sample_photos())

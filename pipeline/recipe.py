@@ -110,10 +110,6 @@ class ImagePreprocess(Strict):
             raise ValueError(f"resize ({self.resize}): without a crop the photo is resized to size ({self.size})")
         return self
 
-    def input_spec(self) -> ImageInput:
-        """What the service does to a photo before the graph (which normalizes)."""
-        return ImageInput(size=self.size, resize=self.resize, crop=self.crop)
-
     @model_validator(mode="after")
     def _on_the_0_255_scale(self) -> ImagePreprocess:
         """torchvision's [0.485, 0.456, 0.406] / [0.229, 0.224, 0.225] are on the 0-1 scale; copied here
@@ -127,6 +123,10 @@ class ImagePreprocess(Strict):
                 f"(× 255: mean {mean}, std {std})"
             )
         return self
+
+    def input_spec(self) -> ImageInput:
+        """What the service does to a photo before the graph (which normalizes)."""
+        return ImageInput(size=self.size, resize=self.resize, crop=self.crop)
 
 
 class TextPreprocess(Strict):
