@@ -219,7 +219,8 @@ def low_priority(scope: Scope) -> bool:
     wait") with no normal request about. Read as the handler reads it (`chosen_priority`); one it
     will refuse as malformed is placed as a normal one."""
     header = next((value.decode("latin-1") for key, value in scope["headers"] if key == PRIORITY_KEY), None)
-    query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True))
+    raw_query = scope.get("query_string", b"")  # parsed only where it may say so: this runs for every POST
+    query = dict(parse_qsl(raw_query.decode("latin-1"), keep_blank_values=True)) if b"priority" in raw_query else {}
     try:
         return chosen_priority(header, query.get(PRIORITY_QUERY)) == "low"
     except InvalidInput:
