@@ -87,7 +87,7 @@ VARIANT_MODELS ?= image-classifier text-embedder digits-classifier
 bench-variants: setup
 	$(PY) -m bench.variants $(VARIANT_MODELS)
 
-# A Debian bookworm + Python 3.11 base image built from Debian's packages (no registry needed; root).
+# A Debian trixie + Python 3.13 base image built from Debian's packages (no registry needed; root).
 base-image:
 	deploy/base-image/build.sh
 
@@ -97,7 +97,7 @@ clean:
 # --- Release: the bento and its container image (README "Release") ----------------------------
 # make bento                      bento `optiserve` from serving-manifest.json (served models built first)
 # make container                  image optiserve:latest on the local base image, with podman
-# make container BASE_IMAGE=python:3.11-slim BACKEND=docker      the usual base, Docker + registry
+# make container BASE_IMAGE=python:3.13-slim BACKEND=docker      the usual base, Docker + registry
 # make container GPU=1            bentofile.gpu.yaml: CUDA base, onnxruntime-gpu + TensorRT (unverified)
 # Without MANIFEST, the served recipes are built first and the manifest they write is used
 # ($OPTISERVE_MANIFEST, else serving-manifest.json); MANIFEST=path uses that manifest as it is
@@ -107,7 +107,7 @@ BENTO_MANIFEST := $(or $(MANIFEST),$(OPTISERVE_MANIFEST),serving-manifest.json)
 GPU ?=
 BACKEND ?= podman
 BASE_IMAGE ?=
-LOCAL_BASE_IMAGE := localhost/optiserve-base:bookworm
+LOCAL_BASE_IMAGE := localhost/optiserve-base:trixie
 BENTOFILE := $(if $(filter 1,$(GPU)),bentofile.gpu.yaml,bentofile.yaml)
 BENTO_NAME := $(if $(filter 1,$(GPU)),optiserve-gpu,optiserve)
 IMAGE ?= $(BENTO_NAME):latest

@@ -15,7 +15,10 @@ from typing import NamedTuple
 
 import httpx
 
-OPTISERVE = [sys.executable, "-m", "bentoml", "serve", "service:Optiserve", "--host", "127.0.0.1"]
+# OPTISERVE_SERVE_PYTHON: the interpreter that serves, in tests and benches (default: this one), e.g.
+# a serving-only venv (`pip install -e .`) of the Python the container image runs.
+SERVE_PYTHON = os.environ.get("OPTISERVE_SERVE_PYTHON") or sys.executable
+OPTISERVE = [SERVE_PYTHON, "-m", "bentoml", "serve", "service:Optiserve", "--host", "127.0.0.1"]
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """How containers run here (README, Release): the local base image and podman's run flags."""
 
-LOCAL_BASE_IMAGE = "localhost/optiserve-base:bookworm"
+LOCAL_BASE_IMAGE = "localhost/optiserve-base:trixie"
 RUN_FLAGS = [
     "--runtime",
     "runc",

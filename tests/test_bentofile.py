@@ -119,8 +119,8 @@ def test_make_container_defaults_to_podman_on_the_local_base_image(manifest: Pat
 
 
 def test_one_variable_switches_to_docker_and_python_slim(manifest: Path) -> None:
-    commands = dry_run("container", "BASE_IMAGE=python:3.11-slim", "BACKEND=docker", manifest=manifest)
-    assert "containerize --backend docker --opt build-arg=BASE_IMAGE=python:3.11-slim" in commands
+    commands = dry_run("container", "BASE_IMAGE=python:3.13-slim", "BACKEND=docker", manifest=manifest)
+    assert "containerize --backend docker --opt build-arg=BASE_IMAGE=python:3.13-slim" in commands
     assert "isolation=chroot" not in commands
     assert "deploy/base-image/build.sh" not in commands
 

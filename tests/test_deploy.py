@@ -532,8 +532,8 @@ def print_mirror(apt_dir: Path, **env: str) -> dict[str, str]:
 
 
 DEBIAN_MIRRORS = {
-    "bookworm": "http://mirror.example/debian",
-    "bookworm-security": "http://security.example/debian-security",
+    "trixie": "http://mirror.example/debian",
+    "trixie-security": "http://security.example/debian-security",
 }
 
 
@@ -543,9 +543,9 @@ DEBIAN_MIRRORS = {
         pytest.param(
             {
                 "sources.list": (
-                    "# deb http://commented.example/debian bookworm main\n"
-                    "deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian bookworm main\n"
-                    "deb http://security.example/debian-security bookworm-security main\n"
+                    "# deb http://commented.example/debian trixie main\n"
+                    "deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian trixie main\n"
+                    "deb http://security.example/debian-security trixie-security main\n"
                 )
             },
             DEBIAN_MIRRORS,
@@ -557,10 +557,10 @@ DEBIAN_MIRRORS = {
                     "Types: deb\nURIs: https://vendor.example/apt\nSuites: nodistro\nComponents: main\n"
                 ),
                 "sources.list.d/debian.sources": (
-                    "Types: deb\nURIs: http://disabled.example/debian\nSuites: bookworm\nEnabled: no\n\n"
-                    "Types: deb\nURIs: http://mirror.example/debian/\nSuites: bookworm bookworm-updates\n"
+                    "Types: deb\nURIs: http://disabled.example/debian\nSuites: trixie\nEnabled: no\n\n"
+                    "Types: deb\nURIs: http://mirror.example/debian/\nSuites: trixie trixie-updates\n"
                     "Components: main\n\n"
-                    "Types: deb\nURIs: http://security.example/debian-security\nSuites: bookworm-security\n"
+                    "Types: deb\nURIs: http://security.example/debian-security\nSuites: trixie-security\n"
                 ),
             },
             DEBIAN_MIRRORS,
@@ -569,10 +569,10 @@ DEBIAN_MIRRORS = {
         pytest.param(
             {
                 "sources.list.d/debian.sources": (
-                    "Types: deb\nURIs: http://mirror.example/debian\nSuites: trixie trixie-updates\n"
+                    "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm bookworm-updates\n"
                 )
             },
-            {"bookworm": "http://mirror.example/debian", "bookworm-security": "http://deb.debian.org/debian-security"},
+            {"trixie": "http://mirror.example/debian", "trixie-security": "http://deb.debian.org/debian-security"},
             id="another Debian release: the same mirror",
         ),
     ],
@@ -585,9 +585,9 @@ def test_build_uses_the_mirror_apt_uses(tmp_path: Path, sources: dict[str, str],
 
 
 def test_build_mirror_can_be_overridden(tmp_path):
-    (tmp_path / "sources.list").write_text("deb http://mirror.example/debian bookworm main\n")
+    (tmp_path / "sources.list").write_text("deb http://mirror.example/debian trixie main\n")
     mirrors = print_mirror(tmp_path, DEBIAN_MIRROR="http://override.example/debian")
-    assert mirrors["bookworm"] == "http://override.example/debian"
+    assert mirrors["trixie"] == "http://override.example/debian"
 
 
 PODMAN_RUN = ["podman", "run", "--rm", *RUN_FLAGS]
@@ -600,15 +600,15 @@ def base_image_present() -> bool:
     return exists.returncode == 0
 
 
-def test_base_image_has_python_311_pip_venv_and_the_host_cas():
+def test_base_image_has_python_313_pip_venv_and_the_host_cas():
     # Checked when the test runs, not when the suite is collected: on a fresh machine
     # tests/test_container.py builds the base image earlier in the same run.
     if not base_image_present():
         pytest.skip(f"{LOCAL_BASE_IMAGE} not built (deploy/base-image/build.sh)")
     script = (
         "import os, ssl, sys, venv\n"
-        "assert sys.version_info[:2] == (3, 11), sys.version\n"
-        "assert not os.path.exists('/usr/lib/python3.11/EXTERNALLY-MANAGED')\n"
+        "assert sys.version_info[:2] == (3, 13), sys.version\n"
+        "assert not os.path.exists('/usr/lib/python3.13/EXTERNALLY-MANAGED')\n"
         "bundle = '/etc/ssl/certs/ca-certificates.crt'\n"
         "for var in ('SSL_CERT_FILE', 'PIP_CERT', 'REQUESTS_CA_BUNDLE'):\n"
         "    assert os.environ[var] == bundle, var\n"

@@ -1,10 +1,13 @@
-"""Worker-process hygiene: full garbage collections rare under load, the middle generation small."""
+"""Worker-process hygiene: full garbage collections rare under load, the middle generation small,
+new tasks run eagerly where Python has them."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+from bench.processes import SERVE_PYTHON
 
 # A worker's life in miniature: requests allocate small cyclic objects, a window of the recent
 # ones stays alive for a while (as requests in flight and BentoML's timers do), and each
@@ -45,3 +48,34 @@ def test_after_start_up_full_collections_are_rare_and_each_middle_one_follows_on
     assert frozen["young_behind_middle"] == 1, frozen
     # Young collections smaller, so more of them.
     assert int(frozen["counts"]["0"]) > int(default["counts"]["0"]), (default, frozen)
+
+
+# On the loop uvicorn serves with (uvloop): does a task created after the start-up hook run before
+# create_task returns, as a request refused at the door must, to be answered in the turn that read it?
+FIRST_STEP = """
+import asyncio, json, platform, uvloop
+from serving.process import run_new_tasks_eagerly
+async def main():
+    eager = run_new_tasks_eagerly()
+    steps = []
+    async def request():
+        steps.append("door")
+        await asyncio.sleep(0)
+        steps.append("after a wait")
+    task = asyncio.get_running_loop().create_task(request())
+    before_return = list(steps)
+    await task
+    found = {"python": platform.python_version(), "eager": eager, "before_return": before_return, "steps": steps}
+    print(json.dumps(found))
+uvloop.run(main())
+"""
+
+
+def test_new_tasks_run_up_to_their_first_wait_at_once_on_python_3_12_and_later() -> None:
+    # The interpreter that serves (OPTISERVE_SERVE_PYTHON: the container image's 3.13, say).
+    out = subprocess.run([SERVE_PYTHON, "-c", FIRST_STEP], check=True, capture_output=True, text=True)
+    found = json.loads(out.stdout)
+    eager = tuple(int(part) for part in found["python"].split(".")[:2]) >= (3, 12)
+    assert found["eager"] is eager
+    assert found["before_return"] == (["door"] if eager else []), found
+    assert found["steps"] == ["door", "after a wait"]
