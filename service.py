@@ -31,7 +31,7 @@ from serving.manifest import DEFAULT_ENDPOINTS, Route, load_manifest, manifest_p
 from serving.metrics import sample_resident_memory
 from serving.model_services import model_service
 from serving.openapi import AmendedOpenAPI
-from serving.process import freeze_startup_heap, run_new_tasks_eagerly
+from serving.process import freeze_startup_heap, give_back_memory_when_quiet, run_new_tasks_eagerly
 from serving.schemas import (
     ClassifyBatchRequest,
     ClassifyBatchResponse,
@@ -97,11 +97,13 @@ class Optiserve:
     @bentoml.on_startup
     async def start_background_tasks(self) -> None:
         """On the serving loop while the service runs: hot swaps (polling the alias file) and the
-        worker's memory gauge. New tasks run eagerly from here on where Python has them."""
+        worker's memory gauge and its return of what a burst freed. New tasks run eagerly from here
+        on where Python has them."""
         run_new_tasks_eagerly()
         self.background = [
             asyncio.create_task(self.watcher.run(), name="alias-watcher"),
             asyncio.create_task(sample_resident_memory(), name="memory-sampler"),
+            asyncio.create_task(give_back_memory_when_quiet(), name="memory-trim"),
         ]
 
     @bentoml.on_shutdown

@@ -121,6 +121,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the knee's level measured again, up to this long: the throughput the flood is judged against",
     )
     parser.add_argument("--recovery-s", type=float, default=6.0)
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=15.0,
+        help="after the recovery, quiet seconds before the workers' memory is read again: a worker gives "
+        "back what a flood freed once it has gone quiet",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "reports" / "bench")
     parser.add_argument("--quick", action="store_true", help="a smoke run: short phases")
     args = parser.parse_args(argv)
@@ -128,6 +135,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--retry-jitter-s is the jitter of clients that honour Retry-After: add --honour-retry-after")
     if args.quick:
         args.concurrency, args.flood_s, args.unloaded_s, args.recovery_s, args.knee_again_s = "1,4", 5.0, 3.0, 3.0, 3.0
+        args.settle_s = 0.0
     return args
 
 
@@ -212,7 +220,8 @@ async def flood_then_recover(
     _, _, beside_flood = await asyncio.gather(flooding, probing, alone)
     stop_sampling.set()
     await sampling
-    await sample_rss_once(rss, started, supervisor)
+    await asyncio.sleep(args.settle_s)
+    await sample_rss_once(rss, started, supervisor)  # "after"
     counted = {name: value - counted_before.get(name, 0.0) for name, value in (await refusal_counts(url)).items()}
     flood_pool.close()
     probe_pool.close()

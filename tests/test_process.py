@@ -1,5 +1,5 @@
 """Worker-process hygiene: full garbage collections rare under load, the middle generation small,
-new tasks run eagerly where Python has them."""
+new tasks run eagerly where Python has them, memory a burst freed given back once it is over."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from bench.processes import SERVE_PYTHON
+from serving.process import TRIM_AFTER_GROWTH_MIB, QuietTrim
 
 # A worker's life in miniature: requests allocate small cyclic objects, a window of the recent
 # ones stays alive for a while (as requests in flight and BentoML's timers do), and each
@@ -79,3 +80,41 @@ def test_new_tasks_run_up_to_their_first_wait_at_once_on_python_3_12_and_later()
     assert found["eager"] is eager
     assert found["before_return"] == (["door"] if eager else []), found
     assert found["steps"] == ["door", "after a wait"]
+
+
+# A burst in a worker thread: 190 MiB of 64 kB buffers (below glibc's mmap threshold, so from the
+# thread's arena), all freed but the last, which keeps the arena's top in place.
+BURST = """
+import json, threading, psutil
+from serving.process import malloc_trim
+process, kept = psutil.Process(), []
+def burst():
+    blocks = [bytearray(64 * 1024) for _ in range(3000)]
+    kept.append(blocks[-1])
+    del blocks
+worker = threading.Thread(target=burst)
+worker.start()
+worker.join()
+freed = process.memory_info().rss / 2**20
+malloc_trim()(0)
+print(json.dumps({"freed": freed, "trimmed": process.memory_info().rss / 2**20}))
+"""
+
+
+def test_a_trim_gives_back_what_a_burst_freed_and_glibc_kept() -> None:
+    out = subprocess.run([SERVE_PYTHON, "-c", BURST], check=True, capture_output=True, text=True)
+    found = json.loads(out.stdout)
+    assert found["freed"] - found["trimmed"] >= 150, found
+
+
+def test_the_worker_trims_once_memory_grew_and_its_threads_went_quiet() -> None:
+    policy = QuietTrim(settled_mib=500)
+    grown = 500 + TRIM_AFTER_GROWTH_MIB
+    assert not policy.due(grown - 1, cpu_share=0.0)  # not grown enough
+    assert not policy.due(grown + 100, cpu_share=1.6)  # grown, but in the middle of a burst
+    assert policy.due(grown + 100, cpu_share=0.02)
+    policy.trimmed(560)
+    assert not policy.due(560 + TRIM_AFTER_GROWTH_MIB - 1, cpu_share=0.0)
+    # Growth counts from the lowest point since the last trim.
+    assert not policy.due(540, cpu_share=0.5)
+    assert policy.due(540 + TRIM_AFTER_GROWTH_MIB, cpu_share=0.0)
