@@ -206,6 +206,10 @@ def _efficientnet_lite(loaded: LoadedRecipe) -> SourceModel:
     return SourceModel(module=module)
 
 
+# Builders that initialize through scipy's truncated normal unless told not to, with a FutureWarning.
+INITIALIZES_WITH_SCIPY = frozenset({"googlenet", "inception_v3"})
+
+
 @loader(TorchvisionSource)
 def _torchvision(loaded: LoadedRecipe) -> SourceModel:
     import torchvision
@@ -217,9 +221,11 @@ def _torchvision(loaded: LoadedRecipe) -> SourceModel:
             f"{loaded.path}: source.architecture: unknown torchvision classifier {source.architecture!r} "
             f"(known: {', '.join(sorted(known))})"
         )
+    # The recipe's weights replace any initialization: skip the slow one that warns (scipy's truncnorm).
+    skipped = {"init_weights": False} if source.architecture in INITIALIZES_WITH_SCIPY else {}
     try:
         module = torchvision.models.get_model(
-            source.architecture, weights=None, num_classes=source.num_classes, **source.options
+            source.architecture, weights=None, num_classes=source.num_classes, **{**skipped, **source.options}
         )
     except (TypeError, ValueError) as exc:  # an argument the builder does not take, or a wrong value
         raise RecipeError(f"{loaded.path}: source.options: {source.architecture}: {exc}") from None

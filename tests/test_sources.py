@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -146,10 +147,14 @@ def test_builder_options_rebuild_the_network_as_it_was_fine_tuned(tmp_path: Path
     without auxiliary heads; rebuilt otherwise, its weights would load wrongly or not at all."""
     options = {"transform_input": True, "aux_logits": False}
     torch.manual_seed(0)
-    tuned = torchvision.models.get_model("googlenet", weights=None, num_classes=CLASSES, **options).eval()
+    tuned = torchvision.models.get_model(
+        "googlenet", weights=None, num_classes=CLASSES, init_weights=False, **options
+    ).eval()
     weights = tmp_path / "mine.pt"
     torch.save(tuned.state_dict(), weights)
-    loaded = load_source(load_recipe(own_recipe(tmp_path, weights, architecture="googlenet", options=options)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no initialization that the weights then replace, nor its warning
+        loaded = load_source(load_recipe(own_recipe(tmp_path, weights, architecture="googlenet", options=options)))
     image = torch.rand(1, 3, 64, 64)
     with torch.inference_mode():
         assert loaded.module.transform_input and torch.equal(loaded.module(image), tuned(image))
