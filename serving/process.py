@@ -28,9 +28,10 @@ client under that flood: 16-18 ms before, 5.9 after, with answers handed back on
 Each request also waited a turn of the event loop before the service saw it, twice: uvicorn
 starts it in a new task, and BentoML's timeout middleware starts the rest of the app in another.
 On Python 3.12+ new tasks run eagerly, up to their first real wait, so a request refused at the
-door is answered in the turn that read it: under a 512-client flood of /embed, refusals left the
-server within 4.1-4.3 ms at p99 instead of 5.7, and /classify's within 10.7 instead of 21, with the
-same goodput (RELIABILITY.md). Python 3.11 keeps the two turns.
+door is answered in the turn that read it. In the container image (Debian's 3.13 against the same
+bento on its 3.11), refusals beside a 512-client flood of /embed reached the client within 4.1-5.4
+ms at p99 instead of 5.3-7.5, and beside a 256-client flood of /classify within 12.1-12.6 instead
+of 18.6-19.6, at the same goodput (RELIABILITY.md). Python 3.11 keeps the two turns.
 
 A flood also leaves memory behind: glibc keeps the pages that its buffers (bodies, decoded photos,
 batches) freed inside its arenas, so an image worker stayed 220 MiB up after a 20 s flood of 256
@@ -50,7 +51,6 @@ import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,6 @@ def eager_task(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], 
     return asyncio.Task(coro, loop=loop, eager_start=True, **options)
 
 
-@cache
 def malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim; None where the C library is another (musl, macOS)."""
     try:
