@@ -191,19 +191,25 @@ def ranked(names: Sequence[str]) -> list[str]:
     return sorted(names, key=lambda name: hashlib.sha256(name.encode()).hexdigest())
 
 
-def image_folder(root: Path, class_names: Sequence[str]) -> ImageFolder:
-    """The images under `root` (searched recursively, by suffix; hidden files and folders, such as
-    macOS's `._` copies, left out), labelled where each lies in a first-level subfolder named after a
-    label (torchvision's ImageFolder layout); a layout that is half that is refused rather than
-    silently left unlabelled."""
+def image_files(root: Path) -> tuple[str, ...]:
+    """The images under `root`, as paths relative to it in name order: searched recursively, by
+    suffix, hidden files and folders (macOS's `._` copies and `.DS_Store`) left out. What a build
+    reads of the folder, and so all that its content hash counts."""
     found = (path.relative_to(root) for path in root.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES)
-    names = tuple(
+    return tuple(
         sorted(
             path.as_posix()
             for path in found
             if not any(part.startswith(".") for part in path.parts) and (root / path).is_file()
         )
     )
+
+
+def image_folder(root: Path, class_names: Sequence[str]) -> ImageFolder:
+    """The images under `root` (`image_files`), labelled where each lies in a first-level subfolder named after a
+    label (torchvision's ImageFolder layout); a layout that is half that is refused rather than
+    silently left unlabelled."""
+    names = image_files(root)
     if len(names) < MIN_IMAGES:
         raise DataError(
             f"{len(names)} images ({', '.join(IMAGE_SUFFIXES)}) in {root}: at least {MIN_IMAGES} are needed, "

@@ -11,6 +11,7 @@ from typing import Annotated, ClassVar, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from pipeline.datasets import image_files
 from serving.aliases import ALIAS_NAME, DEFAULT_ALIAS
 from serving.artifacts import file_digest
 from serving.manifest import Share, check_sides
@@ -424,14 +425,15 @@ class LoadedRecipe(BaseModel):
         model, so turning a cache on or moving an alias needs no rebuild; but for `serving.variant`,
         which the build selects, profiles in full and measures the memory of (unset, it adds
         nothing, so that the builds of recipes without it are found again); `data` likewise counts
-        only where given (its files do, through `files`)."""
+        only where given (its files do, through `files`; of a folder of images, the images the build
+        reads, so that a `.DS_Store` or a notes file beside them rebuilds nothing)."""
         unset = {"data"} if self.recipe.data is None else set()
         digest = hashlib.sha256(self.recipe.model_dump_json(exclude={"serving", *unset}).encode())
         if self.recipe.serving.variant is not None:
             digest.update(f"serving.variant={self.recipe.serving.variant}".encode())
         for field, path in sorted(self.files.items()):
             digest.update(field.encode())
-            digest.update(file_digest(path).encode())
+            digest.update(file_digest(path, image_files(path) if field == IMAGES_FIELD else None).encode())
         digest.update(extra.encode())
         return digest.hexdigest()[:16]
 

@@ -8,6 +8,7 @@ of serving wrong answers or failing inside ONNX Runtime.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,16 @@ class ArtifactMismatch(RuntimeError):
     pass
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a file, or of a directory's files in name order."""
+def file_digest(path: Path, names: Sequence[str] | None = None) -> str:
+    """sha256 of a file, or of a directory's files in name order: those `names` gives (relative
+    paths), else every one."""
     digest = hashlib.sha256()
-    paths = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    if not path.is_dir():
+        paths = [path]
+    elif names is None:
+        paths = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        paths = sorted(path / name for name in names)
     for p in paths:
         digest.update(p.relative_to(path).as_posix().encode() if path.is_dir() else b"")
         with p.open("rb") as handle:

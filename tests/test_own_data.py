@@ -175,6 +175,19 @@ def test_a_changed_image_changes_the_content_hash(tmp_path: Path) -> None:
     assert load_recipe(loaded.path).content_hash() != before
 
 
+def test_only_the_images_of_a_folder_count_in_the_content_hash(tmp_path: Path) -> None:
+    """What the build never reads rebuilds nothing: Finder's `.DS_Store`, a `._` copy, notes."""
+    photos = shapes_folder(tmp_path / "photos")
+    loaded = load_recipe(image_recipe(tmp_path, {"images": "photos"}))
+    before = loaded.content_hash()
+    (photos / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (photos / "circle" / "._circle-0.png").write_bytes(b"\0\5\26\7")
+    (photos / "README.txt").write_text("shapes drawn for the tests\n")
+    assert load_recipe(loaded.path).content_hash() == before
+    shape_image(photos / "extra.png", "square", seed=8)
+    assert load_recipe(loaded.path).content_hash() != before
+
+
 def test_accuracy_is_bounded_on_a_labelled_folder_and_refused_on_an_unlabelled_one(tmp_path: Path) -> None:
     budget = {"max_drop": {"accuracy": 0.02}}
     shapes_folder(tmp_path / "labelled")
