@@ -15,9 +15,11 @@ import yaml
 
 from pipeline.build import BuildResult, build, contenders, select
 from pipeline.datasets import Split
+from pipeline.evaluate import SliceFigures
 from pipeline.profile import SCREEN_SHARE
-from pipeline.recipe import RecipeError, load_recipe
+from pipeline.recipe import Budget, RecipeError, load_recipe
 from pipeline.tasks import TASKS
+from pipeline.tuning import Trial, closest_trial
 from pipeline.variants import KINDS, VariantInputs
 from serving.cpu import cpu_name
 
@@ -489,7 +491,32 @@ def test_gate_rejects_a_broken_variant_and_never_registers_it(tiny_text_recipe: 
     assert not broken.accepted
     assert "mean_cosine drop" in broken.reason and "budget.max_drop.mean_cosine 0.05" in broken.reason
     assert len(broken.trials) == 2  # both configurations were tried before giving up
+    index, closest = closest_trial(Budget(**recipe["budget"]), broken.trials)
+    assert f"closest, trial {index + 1}:" in broken.reason and broken.slices == closest.slices
     assert {m.info.labels["variant"] for m in bentoml.models.list("tiny-broken")} == {"fp32"}
+
+
+def _trial(config: dict, **bounds: float) -> Trial:
+    """A judged trial whose top-1 agreement drop has these bounds, per slice."""
+    slices = {
+        name: SliceFigures(size=512, metrics={}, drops={"top1_agreement": bound}, drop_bounds={"top1_agreement": bound})
+        for name, bound in bounds.items()
+    }
+    return Trial(config=config, slices=slices, failed=[f"{name}: too far" for name in bounds])
+
+
+def test_a_rejected_variant_is_reported_by_its_closest_trial_not_its_last() -> None:
+    """The closest trial is judged on its worst slice; one that failed to build is never it."""
+    budget = Budget(max_drop={"top1_agreement": 0.01})
+    trials = [
+        _trial({"ops": "all"}, **{"held-out": 0.13, "perturbed": 0.18}),
+        Trial(config={"ops": "entropy"}, error="ValueError: inhomogeneous shape"),
+        _trial({"ops": "mixed"}, **{"held-out": 0.05, "perturbed": 0.30}),
+        _trial({"ops": "all-but-ends"}, **{"held-out": 0.21, "perturbed": 0.20}),
+    ]
+    assert closest_trial(budget, trials) == (0, trials[0])
+    errors = [Trial(config={}, error="first"), Trial(config={}, error="last")]
+    assert closest_trial(budget, errors) == (1, errors[1])
 
 
 def test_empty_calibration_set_is_a_clear_trial_error(tiny_text: BuildResult, tmp_path) -> None:
