@@ -26,6 +26,7 @@ from serving.bulk_routes import BulkTaskGuard
 from serving.cache import ResponseCache
 from serving.direct import DirectEndpoints, Handler
 from serving.door import Door, EarlyRetries, Guard
+from serving.http_metrics import HttpTraffic, service_paths
 from serving.lifecycle import AliasWatcher, Split, front_class, open_front
 from serving.manifest import DEFAULT_ENDPOINTS, Route, load_manifest, manifest_path, model_path
 from serving.metrics import sample_resident_memory
@@ -176,9 +177,11 @@ Optiserve = bentoml.service(
     workers=front_workers(),
     traffic={"timeout": traffic_timeout_s(max(r.max_latency_ms for r in routes.values()) / 1000, reads_bodies=True)},
     logging={"access": {"enabled": False}},
+    metrics={"enabled": False},  # BentoML's HTTP series label raw paths: serving/http_metrics.py's instead
     tracing=bentoml_tracing("optiserve"),
 )(Optiserve)
 Optiserve.add_asgi_middleware(RequestTracing)  # the outermost of ours: refusals at the door carry its headers too
+Optiserve.add_asgi_middleware(HttpTraffic, paths=service_paths(Optiserve.apis.values()))
 Optiserve.add_asgi_middleware(
     BulkTaskGuard, routes=(Optiserve.apis["embed_bulk"].route,), limit=api.MAX_BULK_BODY_BYTES
 )

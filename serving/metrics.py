@@ -1,7 +1,8 @@
 """Per-model serving metrics: batch-queue wait, inference time, batch size in rows, refusals.
 
-BentoML already exports request counts, request durations per service, and
-`bentoml_service_adaptive_batch_size` (requests per batch, model-service placement only). What it
+Request counts and durations per endpoint are BentoML's series, recorded by serving/http_metrics.py,
+and `bentoml_service_adaptive_batch_size` (requests per batch) comes from BentoML's batcher in the
+model services (`OPTISERVE_MODEL_PLACEMENT=service` only). What they
 does not say is how long a request waited for its batch, how long the engine ran, how many *rows*
 a batch held (a front chunk of 32 images is one request but 32 rows), and how many requests
 admission control turned away and why. These are the figures the load tester reads to explain a
