@@ -103,7 +103,7 @@ def tune(
     if missing := kind.unavailable(inputs):
         return candidate.model_copy(update={"reason": f"not built: {missing}"})
     for index, config in enumerate(kind.configs(inputs)):
-        out = inputs.workdir / f"{kind.name}-{index}.onnx"
+        out = trial_file(inputs, kind, index)
         started = time.monotonic()
         trial = Trial(config=config)
         try:
@@ -133,12 +133,17 @@ def tune(
     return candidate.model_copy(
         update={
             # built, though never served: a cascade may still use it
-            "path": None if closest.error else inputs.workdir / f"{kind.name}-{index}.onnx",
+            "path": None if closest.error else trial_file(inputs, kind, index),
             "slices": closest.slices,
             "config": closest.config,
             "reason": f"rejected after {len(candidate.trials)} trial(s): {reason}",
         }
     )
+
+
+def trial_file(inputs: VariantInputs, kind: VariantKind, index: int) -> Path:
+    """Where a kind's trial writes its graph: every trial its own, so a rejected kind keeps its closest."""
+    return inputs.workdir / f"{kind.name}-{index}.onnx"
 
 
 def closest_trial(budget: Budget, trials: list[Trial]) -> tuple[int, Trial]:
