@@ -1,12 +1,12 @@
 """BentoML's HTTP request metrics, labelled by the service's own paths, and the /metrics page.
 
 BentoML's middleware labels every request with its raw path. Each path a scanner tries (404)
-became some twenty series: 5 000 of them, sent in 7 s, grew the worker by 110 MiB and the
+became some twenty series: 5 000 of them, sent in 7 s, grew the worker by 108 MiB and the
 multi-process files by 30 MB, and /metrics to 19.5 MB and 3.8 s a scrape, without bound
 (RELIABILITY.md). The service turns BentoML's off (`metrics.enabled: false`, which also removes
-its /metrics route) and `HttpTraffic`, the outermost of our middlewares, records the same four
-series under BentoML's names and labels, so that dashboards, alerts and the autoscaler read
-them as before:
+its /metrics route) and `HttpTraffic`, the middleware right after the tracing one (so that it
+counts the door's refusals too), records the same four series under BentoML's names and labels,
+so that dashboards, alerts and the autoscaler read them as before:
 
 - `bentoml_service_request_total{endpoint, service_name, service_version, http_response_code, runner_name}`
 - `bentoml_service_request_duration_seconds{...}`, with BentoML's default buckets
@@ -16,7 +16,7 @@ them as before:
 
 `endpoint` is the request's path where it is one of the service's (its APIs, their task routes,
 BentoML's system endpoints), and `other` for any other: the series are as many as the paths the
-service has. It answers GET /metrics itself, every worker's series aggregated, off the event loop.
+service has. It answers GET /metrics itself, every worker's series aggregated in a thread.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class HttpTraffic:
     async def _answer_metrics(self, scope: Scope, send: Send) -> None:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        body = await asyncio.to_thread(metrics_page)  # every worker's files: not on the event loop
+        body = await asyncio.to_thread(metrics_page)  # reads every worker's files
         headers = [(b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
