@@ -315,7 +315,9 @@ def test_a_deadline_refused_on_a_noisy_spell_is_let_in_once_the_engine_has_stood
     """One-row batches alternating 10 and 40 ms teach a slow side (1.15 × 27 + 4 × 17 ms) that a
     50 ms deadline cannot meet. Nothing else arrives to measure the engine again, now steady at
     10 ms: the learned spread fades while it stands idle, the first request let in re-measures it,
-    and the ones after it are let in too, where before every one was refused for ever."""
+    and the ones after it are let in too, where before every one was refused for ever. (A busy
+    machine may stretch one 10 ms batch enough to refuse the next request or two: once, in a whole
+    suite's run, the third request after the first let in.)"""
     model = UnevenModel([0.010, 0.040])
     batcher = make_batcher(model, endpoint="noisy-spell")
 
@@ -337,7 +339,9 @@ def test_a_deadline_refused_on_a_noisy_spell_is_let_in_once_the_engine_has_stood
     assert outcomes[0] == "refused", "the noisy spell's slow side, right after it"
     first = outcomes.index("answered")
     assert first * 0.05 <= 2.5, "let in within a few fade periods"
-    assert outcomes[first:] == ["answered"] * (60 - first), "re-measured: the stale figures gave way"
+    after = outcomes[first:]
+    assert after.count("answered") >= 0.9 * len(after), f"re-measured: the stale figures gave way: {after}"
+    assert after[-10:] == ["answered"] * 10, "and stay gone"
 
 
 class TimedModel(RecordingModel):
