@@ -34,8 +34,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 NAMESPACE = "bentoml_service"  # BentoML's default `metrics.namespace`
 METRICS_PATH = "/metrics"
 OTHER = "other"
-# BentoML 1.4's default duration buckets (`bentoml._internal.utils.metrics.DEFAULT_BUCKET`): an API call
-# of milliseconds to an LLM's minutes.
+# BentoML 1.4's default duration buckets (as its own middleware exported them): an API call of
+# milliseconds to an LLM's minutes.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 180.0)
 # BentoML's own endpoints (its HTTP server, 1.4), besides the APIs.
 SYSTEM_PATHS = frozenset({"/", "/docs", "/docs.json", "/schema.json", "/livez", "/readyz", "/healthz", METRICS_PATH})
