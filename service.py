@@ -28,6 +28,7 @@ from serving.direct import DirectEndpoints, Handler
 from serving.door import Door, EarlyRetries, Guard
 from serving.http_metrics import HttpTraffic, service_paths
 from serving.lifecycle import AliasWatcher, Split, front_class, open_front
+from serving.log_output import write_logs_in_background
 from serving.manifest import DEFAULT_ENDPOINTS, Route, load_manifest, manifest_path, model_path
 from serving.metrics import sample_resident_memory
 from serving.model_services import model_service
@@ -99,8 +100,9 @@ class Optiserve:
     async def start_background_tasks(self) -> None:
         """On the serving loop while the service runs: hot swaps (polling the alias file) and the
         worker's memory gauge and its return of what a burst freed. New tasks run eagerly from here
-        on where Python has them."""
+        on where Python has them, and log output is written by a thread of its own."""
         run_new_tasks_eagerly()
+        write_logs_in_background()
         self.background = [
             asyncio.create_task(self.watcher.run(), name="alias-watcher"),
             asyncio.create_task(sample_resident_memory(), name="memory-sampler"),

@@ -80,6 +80,7 @@ CACHE_EVICTIONS_METRIC = "optiserve_cache_evictions"
 CACHE_BYTES_METRIC = "optiserve_cache_bytes"
 CASCADE_METRIC = "optiserve_cascade_answers"
 MEMORY_METRIC = "optiserve_workers_resident_memory_bytes"
+LOG_DROPPED_METRIC = "optiserve_log_records_dropped"
 MEMORY_SAMPLE_S = 5.0
 PAIR = ("endpoint", "primary", "shadow")
 # Agreement is 0 or 1, score differences near 0, cosines near 1: both ends resolved.
@@ -107,6 +108,7 @@ class Instruments:
     cache_bytes: Any
     cascade: Any
     memory: Any
+    log_dropped: Any
 
 
 @cache
@@ -147,6 +149,7 @@ def instruments() -> Instruments:
             CASCADE_METRIC, "Images a cascade answered, by the model that answered", (*LABELS, "answered_by")
         ),
         memory=Gauge(MEMORY_METRIC, "Resident memory of the service's workers, summed", multiprocess_mode="livesum"),
+        log_dropped=Counter(LOG_DROPPED_METRIC, "Log records dropped: the worker's output was not read in time"),
     )
 
 
@@ -168,6 +171,10 @@ def count_cascade_answers(endpoint: str, model: str, *, student: int, teacher: i
 
 def count_held_refusal() -> None:
     instruments().held.inc()
+
+
+def count_dropped_log_record() -> None:
+    instruments().log_dropped.inc()
 
 
 def count_error(*, endpoint: str, model: str, api: str, error_class: str, status: int, kind: str) -> None:

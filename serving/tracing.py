@@ -44,6 +44,7 @@ import yaml
 from opentelemetry import trace as otel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serving.log_output import in_background
 from serving.settings import access_log_enabled
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -103,12 +104,13 @@ def sane_request_id(value: str | None) -> str:
 
 
 def access_logger() -> logging.Logger:
-    """`optiserve.access`, writing bare JSON lines to stderr whatever format the root logger has."""
+    """`optiserve.access`, writing bare JSON lines to stderr whatever format the root logger has,
+    from the log output's thread (serving/log_output.py)."""
     logger = logging.getLogger(ACCESS_LOGGER)
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
+        logger.addHandler(in_background(handler))
         logger.setLevel(logging.INFO)
         logger.propagate = False
     return logger
