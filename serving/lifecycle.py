@@ -210,12 +210,14 @@ class AliasWatcher:
             await asyncio.sleep(POLL_SECONDS)
 
     async def check(self) -> None:
-        """Move every side whose alias names another version, once per change of the file."""
-        if not self._splits or (seen := _identity(self._path)) == self._seen:
+        """Move every side whose alias names another version, once per change of the file. The file
+        is read in a thread: on a mount that hangs (a network volume shared by the pods) only this
+        watcher waits, not the event loop and every request with it."""
+        if not self._splits or (seen := await asyncio.to_thread(_identity, self._path)) == self._seen:
             return
         self._seen = seen
         try:
-            aliases = read_aliases(self._path)
+            aliases = await asyncio.to_thread(read_aliases, self._path)
         except AliasError as exc:
             logger.error("%s; every endpoint keeps its model", exc)
             return

@@ -4,6 +4,8 @@ promote/rollback` move its alias, and while the alias names a model that must be
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from pipeline.datasets import digits_split
 from sample_inputs import sample_photos
 from serving.aliases import Version, aliases_path, read_aliases
 from serving.files import write_atomically
+from serving.lifecycle import POLL_SECONDS
 from serving.manifest import Share, read_manifest, write_manifest
 from tests.test_model_paths import PNG, png
 
@@ -134,9 +137,8 @@ def test_promote_moves_the_next_requests_without_a_failure_and_rollback_moves_th
     after = [a for a in answers if a.started > back.finished]
     assert between and {a.model for a in between} == {lifecycle.rebuilt}
     assert after and {a.model for a in after} == {lifecycle.built}
-    assert f"/embed: {ALIAS} → {lifecycle.rebuilt}, loaded and warmed up; {lifecycle.built} released" in (
-        lifecycle.log.read_text()
-    )
+    swapped = f"/embed: {ALIAS} → {lifecycle.rebuilt}, loaded and warmed up; {lifecycle.built} released"
+    wait_logged(lifecycle.log, swapped)
 
 
 def swaps(url: str, outcome: str) -> float:
@@ -171,9 +173,40 @@ def test_an_alias_naming_a_missing_or_tampered_model_is_refused_and_the_old_mode
             time.sleep(0.2)
         response = httpx.post(f"{url}/embed", json={"texts": ["still serving?"]}, timeout=30)
         assert response.status_code == 200 and response.headers["x-model-tag"] == lifecycle.built
-        assert f"/embed: alias {ALIAS} → {bad} refused: " in lifecycle.log.read_text()
-        assert f"; {lifecycle.built} keeps serving" in lifecycle.log.read_text()
+        wait_logged(lifecycle.log, f"/embed: alias {ALIAS} → {bad} refused: ")
+        wait_logged(lifecycle.log, f"; {lifecycle.built} keeps serving")
     write_atomically(path, good)
+
+
+def test_an_alias_file_whose_read_does_not_return_holds_up_only_the_watcher(lifecycle) -> None:
+    """As a read from a hung network mount would: here the file is a FIFO nobody writes to. Before,
+    the event loop read it, and every request waited with it."""
+    path = aliases_path(lifecycle.manifest)
+    good = read_aliases(path).model_dump_json()  # none set where the file is not there yet
+    fifo = path.with_name(f".{path.name}.fifo")
+    os.mkfifo(fifo)
+    os.replace(fifo, path)  # a new inode: the watcher reads it at its next poll
+    try:
+        time.sleep(3 * POLL_SECONDS)
+        response = httpx.post(f"{lifecycle.server.url}/embed", json={"texts": ["still serving?"]}, timeout=10)
+        assert response.status_code == 200
+    finally:
+        end_the_read(path, good)
+        write_atomically(path, good)
+
+
+def end_the_read(fifo: Path, text: str) -> None:
+    """Gives the reader blocked on `fifo` (if any) `text` and its end."""
+    try:
+        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # nobody is reading it
+            return
+        raise
+    try:
+        os.write(writer, text.encode())
+    finally:
+        os.close(writer)
 
 
 def test_every_model_answer_names_its_model_in_a_header(lifecycle) -> None:
