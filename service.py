@@ -33,7 +33,12 @@ from serving.manifest import DEFAULT_ENDPOINTS, Route, load_manifest, manifest_p
 from serving.metrics import sample_resident_memory
 from serving.model_services import model_service
 from serving.openapi import AmendedOpenAPI
-from serving.process import freeze_startup_heap, give_back_memory_when_quiet, run_new_tasks_eagerly
+from serving.process import (
+    freeze_startup_heap,
+    give_back_memory_when_quiet,
+    raise_open_files_limit,
+    run_new_tasks_eagerly,
+)
 from serving.schemas import (
     ClassifyBatchRequest,
     ClassifyBatchResponse,
@@ -100,9 +105,11 @@ class Optiserve:
     async def start_background_tasks(self) -> None:
         """On the serving loop while the service runs: hot swaps (polling the alias file) and the
         worker's memory gauge and its return of what a burst freed. New tasks run eagerly from here
-        on where Python has them, and log output is written by a thread of its own."""
+        on where Python has them, log output is written by a thread of its own, and the worker may
+        hold as many connections as the hard limit on open files allows."""
         run_new_tasks_eagerly()
         write_logs_in_background()
+        raise_open_files_limit()
         self.background = [
             asyncio.create_task(self.watcher.run(), name="alias-watcher"),
             asyncio.create_task(sample_resident_memory(), name="memory-sampler"),

@@ -50,13 +50,21 @@ def running(
         wait_ready(process, url, log, timeout)
         yield Started(url, process)
     finally:
-        with suppress(ProcessLookupError):  # the caller may have stopped it already
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop(process)
+
+
+def stop(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM to the process group, so that BentoML's supervisor stops its workers (they run in
+    groups of their own, which a SIGKILL of its group would leave behind); SIGKILL after `timeout`.
+    Output the process pipes to us is read meanwhile: a supervisor blocked on a full pipe would
+    stop nothing."""
+    with suppress(ProcessLookupError):  # the caller may have stopped it already
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
 
 
 @contextmanager

@@ -47,10 +47,12 @@ import ctypes
 import gc
 import logging
 import platform
+import resource
 import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,25 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG_COLLECTION_AFTER, MIDDLE_COLLECTION_AFTER, FULL_COLLECTION_EVERY)
+
+
+def raise_open_files_limit() -> tuple[int, int] | None:
+    """The soft limit on open files raised to the hard one (at most the kernel's `nr_open`), as Go's
+    runtime does for every program; returns (before, after) where it moved.
+
+    Each connection holds a file, including one whose client never finishes its headers: uvicorn
+    has no timeout for a request's headers (its `timeout_keep_alive` runs only between requests)
+    and BentoML lets no other HTTP protocol in. At the soft limit of 1 024 that containers get from
+    containerd 2.x and Docker 29 (hard: 524 288), 1 100 such connections from one client left every
+    other client unanswered, for good (RELIABILITY.md); containerd asks software that needs more
+    to raise its own soft limit. The event loop is epoll's: the low limit is for select()."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(hard, int(Path("/proc/sys/fs/nr_open").read_text())) if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft >= target:
+        return None
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    logger.info("open files: the soft limit raised from %d to %d, the hard limit", soft, target)
+    return soft, target
 
 
 def run_new_tasks_eagerly() -> bool:

@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import re
+import resource
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from conftest import BODY_TIMEOUT_S
+from conftest import BODY_TIMEOUT_S, own_home
 from PIL import Image
 from test_monitoring import samples
 
+from bench.processes import OPTISERVE, on_free_port
 from sample_inputs import encode, sample_photos
 
 pytestmark = pytest.mark.slow
@@ -26,6 +31,7 @@ pytestmark = pytest.mark.slow
 JSON_TYPE, PNG = "application/json", "image/png"
 JSON = {"content-type": JSON_TYPE}
 JPEG = {"content-type": "image/jpeg"}
+REPO = Path(__file__).resolve().parent.parent
 LEAKS = re.compile(r"Traceback|<class |object at 0x|\.py\b|/usr/|/work/|/home/|site-packages|Error\(")
 
 
@@ -338,3 +344,47 @@ def test_a_scan_of_unknown_paths_adds_no_series_to_metrics(server) -> None:
     assert len(after) <= len(before) + 4, "at most /embed's 200 and other's 404, counted and in progress"
     assert counted[("other", "404")] == others + 80
     assert counted[("/embed", "200")] >= 1 and counted[("/readyz", "200")] >= 1
+
+
+HALF_OPEN = 1100  # past the soft limit on open files that containers get (containerd 2.x, Docker 29)
+
+
+@contextmanager
+def half_open_connections(port: int, count: int) -> Iterator[None]:
+    """`count` connections that each send the start of a request's headers and never the rest."""
+    held = []
+    try:
+        for _ in range(count):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            held.append(sock)
+            sock.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\n")
+        yield
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_connections_that_never_finish_their_headers_leave_other_clients_served(
+    manifest_file: Path, tmp_path: Path
+) -> None:
+    """uvicorn times out no request's headers, so each such connection holds an open file for good:
+    at a soft limit of 1 024, 1 100 of them from one client left everyone else unanswered, until
+    the worker raised its soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 2 * HALF_OPEN  # the worker's and this process's ends of each connection
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        pytest.skip(f"the hard limit on open files ({hard}) is below {needed}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, needed), hard))
+    command = ["bash", "-c", 'ulimit -S -n 1024 && exec "$@"', "bash", *OPTISERVE]
+    env = {**os.environ, "OPTISERVE_MANIFEST": str(manifest_file), "BENTOML_HOME": own_home(tmp_path / "home")}
+    log = tmp_path / "bentoml.log"
+    try:
+        with (
+            on_free_port(command, env=env, cwd=REPO, log=log) as started,
+            half_open_connections(int(started.url.rsplit(":", 1)[1]), HALF_OPEN),
+        ):
+            answer = httpx.post(f"{started.url}/embed", json={"texts": ["anyone there?"]}, timeout=10)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert answer.status_code == 200
+    assert "open files: the soft limit raised from 1024 to " in log.read_text()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -17,7 +16,7 @@ import httpx
 import pytest
 from conftest import own_home
 
-from bench.processes import OPTISERVE, free_port
+from bench.processes import OPTISERVE, free_port, stop
 from serving.log_output import BackgroundOutput, OutputWriter, write_logs_in_background
 
 LINE = "x" * 2000  # 32 of them fill a pipe's 64 kB
@@ -142,8 +141,7 @@ def test_a_worker_whose_output_nobody_reads_keeps_answering(manifest_file: Path,
             assert client.get("/livez").status_code == 200
             lines = read_lines(process.stdout.fileno(), 10_000, timeout=2)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        stop(process, timeout=60)
     assert any('"request_id":"unread-599"' in line for line in lines), "the access lines were lost"
 
 
