@@ -90,7 +90,7 @@ def raise_open_files_limit() -> tuple[int, int] | None:
     to raise its own soft limit. The event loop is epoll's: the low limit is for select()."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = min(hard, int(Path("/proc/sys/fs/nr_open").read_text())) if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft >= target:
+    if soft == resource.RLIM_INFINITY or soft >= target:
         return None
     resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     logger.info("open files: the soft limit raised from %d to %d, the hard limit", soft, target)

@@ -4,11 +4,12 @@ new tasks run eagerly where Python has them, memory a burst freed given back onc
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 
 from bench.processes import SERVE_PYTHON
-from serving.process import TRIM_AFTER_GROWTH_MIB, QuietTrim
+from serving.process import TRIM_AFTER_GROWTH_MIB, QuietTrim, raise_open_files_limit
 
 # A worker's life in miniature: requests allocate small cyclic objects, a window of the recent
 # ones stays alive for a while (as requests in flight and BentoML's timers do), and each
@@ -118,3 +119,17 @@ def test_the_worker_trims_once_memory_grew_and_its_threads_went_quiet() -> None:
     # Growth counts from the lowest point since the last trim.
     assert not policy.due(540, cpu_share=0.5)
     assert policy.due(540 + TRIM_AFTER_GROWTH_MIB, cpu_share=0.0)
+
+
+def test_the_soft_limit_on_open_files_is_raised_to_the_hard_one_once() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        raised = raise_open_files_limit()
+        after = resource.getrlimit(resource.RLIMIT_NOFILE)
+        again = raise_open_files_limit()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert raised is not None and raised[0] == 256 and after == (raised[1], hard)
+    assert raised[1] == hard or hard == resource.RLIM_INFINITY
+    assert again is None
