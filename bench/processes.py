@@ -89,15 +89,20 @@ def worker_rss_mib(supervisor: int) -> float:
     return total / 2**20
 
 
-def wait_ready(process: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+def wait_ready(process: subprocess.Popen, url: str, log: Path | None, timeout: float) -> None:
+    """Until GET <url>/readyz answers 200; an error quotes the end of `log`, where there is one."""
+
+    def tail() -> str:
+        return "" if log is None else "\n" + log.read_text()[-4000:]
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args[:4]} exited early:\n{log.read_text()[-4000:]}")
+            raise RuntimeError(f"{process.args[:4]} exited early:{tail()}")
         try:
             if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-4000:]}")
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s:{tail()}")

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import BODY_TIMEOUT_S, own_home
+from conftest import BODY_TIMEOUT_S, REPO, own_home
 from PIL import Image
 from test_monitoring import samples
 
@@ -31,7 +31,6 @@ pytestmark = pytest.mark.slow
 JSON_TYPE, PNG = "application/json", "image/png"
 JSON = {"content-type": JSON_TYPE}
 JPEG = {"content-type": "image/jpeg"}
-REPO = Path(__file__).resolve().parent.parent
 LEAKS = re.compile(r"Traceback|<class |object at 0x|\.py\b|/usr/|/work/|/home/|site-packages|Error\(")
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import own_home
+from conftest import REPO, own_home
 
-from bench.processes import OPTISERVE, free_port, stop
+from bench.processes import OPTISERVE, free_port, stop, wait_ready
 from serving.log_output import BackgroundOutput, OutputWriter, write_logs_in_background
 
 LINE = "x" * 2000  # 32 of them fill a pipe's 64 kB
@@ -125,14 +125,14 @@ def test_a_worker_whose_output_nobody_reads_keeps_answering(manifest_file: Path,
     process = subprocess.Popen(
         [*OPTISERVE, "--port", str(port)],
         env=env,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
+        wait_ready(process, f"http://127.0.0.1:{port}", None, timeout=300)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            wait_until_ready(client, process)
             statuses = [
                 client.post("/embed", json={"texts": ["nobody reads this"]}, headers={"X-Request-ID": f"unread-{n}"})
                 for n in range(600)
@@ -143,15 +143,3 @@ def test_a_worker_whose_output_nobody_reads_keeps_answering(manifest_file: Path,
     finally:
         stop(process, timeout=60)
     assert any('"request_id":"unread-599"' in line for line in lines), "the access lines were lost"
-
-
-def wait_until_ready(client: httpx.Client, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if client.get("/readyz").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"not ready (exit status {process.poll()})")
